@@ -1,0 +1,269 @@
+"""Rewards, values and advantages at token and macro-action level.
+
+Shapes follow :mod:`marlhf.segments`: ``[B, T]`` over response tokens, right-padded, ``mask``
+bool. For row b with segments tau = 0..m-1 (SPEC.md):
+
+    R_tau = sum_{t in tau} r_t                      (segment_reward="sum"; "mean" divides by |tau|)
+    V_tau = sum_i sigma_i V_{t_tau + i}             (value_weighting: "equal" | "unit" | "position")
+    delta_tau = R_tau + gamma V_{tau+1} - V_tau,    V_m = 0
+    A_tau = sum_l (gamma lam)^l delta_{tau+l},      Q_tau = A_tau + V_tau
+
+and every token of segment tau carries A_tau and Q_tau. Sequence-level estimators (rloo, grpo,
+reinforce) give one advantage per sample for the critic-free baselines.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
+from marlhf.segments import (
+    broadcast_segments,
+    segment_last_token,
+    segment_lengths,
+    segment_sum,
+)
+
+ValueWeighting = Literal["equal", "unit", "position"]
+SegmentReward = Literal["sum", "mean"]
+
+__all__ = [
+    "kl_penalized_rewards",
+    "token_gae",
+    "macro_gae",
+    "segment_weights",
+    "segment_values",
+    "discounted_reverse_cumsum",
+    "rloo",
+    "grpo",
+    "reinforce",
+    "whiten",
+    "masked_mean",
+]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over True positions of ``mask`` (0 where nothing is masked)."""
+    x = torch.where(mask, x, torch.zeros_like(x))
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> torch.Tensor:
+    """Per-token rewards: ``-kl_coef * (logprobs - ref_logprobs)`` on every response token (the k1
+    KL estimator) plus the sequence score on each row's last real token.
+
+    Args:
+        scores: float [B], reward-model (or task) score of each response.
+        logprobs, ref_logprobs: float [B, T], policy and reference log-probs of the sampled tokens.
+        mask: bool [B, T].
+        kl_coef: KL penalty coefficient (>= 0).
+    Returns:
+        rewards: float [B, T], 0 on padding. A row with no response token gets no score.
+    """
+    check_mask(mask)
+    check_like(logprobs, mask, "logprobs")
+    check_like(ref_logprobs, mask, "ref_logprobs")
+    check_finite_vector(scores, "scores")
+    if scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"`scores` has {scores.shape[0]} rows but `mask` has {mask.shape[0]}")
+    if kl_coef < 0:
+        raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}")
+    rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), torch.zeros_like(logprobs))
+    lengths = mask.sum(dim=1)
+    last = (lengths - 1).clamp(min=0)[:, None]
+    score = torch.where(lengths > 0, scores.to(rewards.dtype), 0.0)[:, None]
+    return rewards.scatter_add(1, last, score)
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """``y_t = sum_{l >= t} discount^(l - t) x_l`` along the last dim, without a Python loop.
+
+    A reverse cumsum when ``discount == 1``, else one matmul with the [S, S] matrix of discount
+    powers (exact powers, no rescaling that could overflow for long rows).
+    """
+    if discount == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    steps = x.shape[-1]
+    offsets = torch.arange(steps, device=x.device)
+    lag = offsets[None, :] - offsets[:, None]  # lag[t, l] = l - t
+    powers = torch.where(
+        lag >= 0,
+        torch.tensor(discount, dtype=x.dtype, device=x.device) ** lag.clamp(min=0).to(x.dtype),
+        torch.zeros((), dtype=x.dtype, device=x.device),
+    )
+    return x @ powers.T
+
+
+def _check_gae_args(rewards, values, mask, gamma, lam) -> None:
+    check_mask(mask)
+    check_like(rewards, mask, "rewards")
+    check_like(values, mask, "values")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"`gamma` must be in [0, 1], got {gamma}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"`lam` must be in [0, 1], got {lam}")
+
+
+def token_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard token-level GAE.
+
+    Args:
+        rewards, values: float [B, T]; mask: bool [B, T].
+    Returns:
+        (advantages, returns): float [B, T], 0 on padding; returns = advantages + values.
+    """
+    _check_gae_args(rewards, values, mask, gamma, lam)
+    zeros = torch.zeros_like(values)
+    rewards = torch.where(mask, rewards, zeros)
+    values = torch.where(mask, values, zeros)
+    next_values = torch.cat([values[:, 1:], zeros[:, :1]], dim=1)  # 0 past the last token
+    deltas = rewards + gamma * next_values - values
+    advantages = discounted_reverse_cumsum(deltas, gamma * lam)
+    advantages = torch.where(mask, advantages, zeros)
+    return advantages, torch.where(mask, advantages + values, zeros)
+
+
+def segment_weights(
+    segment_ids: torch.Tensor,
+    mask: torch.Tensor,
+    value_weighting: ValueWeighting = "equal",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Token weights sigma that turn token values into a segment value; they sum to 1 per segment.
+
+    - ``"equal"``: 1/|tau| on each token;
+    - ``"unit"``: 1 on the segment's last token;
+    - ``"position"``: (1/(|tau| - i)) / H, i = 0 for the first token, H the normaliser
+      (later tokens weigh more; the last one most).
+
+    Returns:
+        float [B, T], 0 on padding.
+    """
+    is_last = segment_last_token(segment_ids)
+    if value_weighting == "equal":
+        raw = mask.to(dtype)
+    elif value_weighting == "unit":
+        raw = is_last.to(dtype)
+    elif value_weighting == "position":
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(segment_ids)
+        last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids), segment_ids)
+        remaining = (last_pos - positions + 1).clamp(min=1)  # |tau| - i
+        raw = torch.where(mask, 1.0 / remaining.to(dtype), 0.0)
+    else:
+        raise ValueError(f"`value_weighting` must be 'equal', 'unit' or 'position', got {value_weighting!r}")
+    norm = broadcast_segments(segment_sum(raw, segment_ids), segment_ids)
+    return torch.where(mask, raw / norm.clamp(min=1e-12), 0.0)
+
+
+def segment_values(
+    values: torch.Tensor,
+    segment_ids: torch.Tensor,
+    value_weighting: ValueWeighting = "equal",
+) -> torch.Tensor:
+    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S]."""
+    mask = segment_ids >= 0
+    weights = segment_weights(segment_ids, mask, value_weighting, values.dtype)
+    return segment_sum(torch.where(mask, values, 0.0) * weights, segment_ids)
+
+
+def macro_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    segment_ids: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    value_weighting: ValueWeighting = "equal",
+    segment_reward: SegmentReward = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over macro actions (segments); with one token per segment it equals :func:`token_gae`.
+
+    Args:
+        rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
+        value_weighting: how token values form a segment value (see :func:`segment_weights`).
+        segment_reward: "sum" (the paper) or "mean" (the released code, which shrinks the KL
+            penalty by about 1/|tau|).
+    Returns:
+        (advantages, returns): float [B, T]; every token of segment tau carries A_tau and Q_tau;
+        0 on padding.
+    """
+    _check_gae_args(rewards, values, mask, gamma, lam)
+    check_segment_ids(segment_ids, mask)
+    if segment_reward not in ("sum", "mean"):
+        raise ValueError(f"`segment_reward` must be 'sum' or 'mean', got {segment_reward!r}")
+    rewards = torch.where(mask, rewards, 0.0)
+    seg_rewards = segment_sum(rewards, segment_ids)  # [B, S]
+    if segment_reward == "mean":
+        seg_rewards = seg_rewards / segment_lengths(segment_ids, seg_rewards.shape[1]).clamp(min=1)
+    seg_values = segment_values(values, segment_ids, value_weighting)  # 0 on missing segments
+    next_values = torch.cat([seg_values[:, 1:], seg_values.new_zeros(seg_values.shape[0], 1)], dim=1)
+    deltas = seg_rewards + gamma * next_values - seg_values  # 0 on missing segments
+    seg_advantages = discounted_reverse_cumsum(deltas, gamma * lam)
+    advantages = broadcast_segments(seg_advantages, segment_ids)
+    returns = broadcast_segments(seg_advantages + seg_values, segment_ids)
+    return advantages, returns
+
+
+def _check_groups(scores: torch.Tensor, group_size: int, minimum: int) -> None:
+    check_finite_vector(scores, "scores")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < minimum:
+        raise ValueError(f"`group_size` must be an int >= {minimum}, got {group_size!r}")
+    if scores.shape[0] % group_size:
+        raise ValueError(f"`scores` has {scores.shape[0]} entries, not a multiple of group_size={group_size}")
+
+
+def rloo(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out: each sample's score minus the mean of the other samples of its
+    prompt. ``scores`` is [N] with the ``group_size`` samples of a prompt consecutive; returns [N]."""
+    _check_groups(scores, group_size, minimum=2)
+    grouped = scores.view(-1, group_size)
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).reshape(-1)
+
+
+def grpo(scores: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantage: score minus the group mean, divided by the group's (unbiased)
+    std when ``normalize_std``. ``scores`` [N], consecutive groups; returns [N]."""
+    _check_groups(scores, group_size, minimum=2 if normalize_std else 1)
+    grouped = scores.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)
+
+
+def reinforce(scores: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with the batch-mean baseline: [N] -> [N]."""
+    check_finite_vector(scores, "scores")
+    return scores - scores.mean()
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to unit variance over masked positions (and zero mean when ``shift_mean``).
+
+    Returns float [B, T], 0 on padding.
+    """
+    check_mask(mask)
+    check_like(x, mask, "x")
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, torch.zeros_like(out))

@@ -1,0 +1,214 @@
+"""Losses of PPO / MA-PPO, reward modelling and DPO.
+
+Each function returns ``(loss, stats)``: a 0-dim loss and a dict of detached 0-dim tensors (no
+host sync here; the caller decides when to read them). Shapes follow :mod:`marlhf.segments`.
+
+With ``segment_ids``, the PPO policy ratio of segment tau is its joint probability ratio
+``exp(sum_{t in tau} (logprobs_t - old_logprobs_t))``; the clipped surrogate is computed once per
+segment, weighted by the segment's token count and divided by the number of masked tokens, so
+one token per segment is token-mean PPO exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
+from marlhf.advantages import ValueWeighting, masked_mean, segment_values
+from marlhf.segments import segment_lengths, segment_sum
+
+__all__ = ["policy_loss", "value_loss", "bradley_terry_loss", "dpo_loss"]
+
+# exp(20) ~ 4.9e8: a long segment's summed log-ratio is clamped before exp so it cannot overflow.
+MAX_LOG_RATIO = 20.0
+
+
+def _segment_mean(x: torch.Tensor, segment_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return segment_sum(torch.where(segment_ids >= 0, x, 0.0), segment_ids, lengths.shape[1]) / lengths.clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    clip: float = 0.2,
+    ratio_granularity: Literal["macro", "token"] = "macro",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO surrogate at token or macro-action granularity.
+
+    Args:
+        logprobs: float [B, T], current policy log-probs (with grad).
+        old_logprobs: float [B, T], log-probs at rollout time.
+        advantages: float [B, T]; with segments, constant within each segment (as macro_gae gives).
+        mask: bool [B, T].
+        segment_ids: long [B, T] or None (one token per segment). ``fixed_ngram(mask, None)``
+            gives the whole-sequence update.
+        clip: epsilon of the clipped ratio (> 0).
+        ratio_granularity: "macro" clips each segment's joint ratio (the paper); "token" clips
+            per-token ratios with the segment advantage copied to each token (the released code).
+    Returns:
+        loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
+        segments (tokens when there are no segments).
+    """
+    check_mask(mask)
+    check_like(logprobs, mask, "logprobs")
+    check_like(old_logprobs, mask, "old_logprobs")
+    check_like(advantages, mask, "advantages")
+    if not clip > 0:
+        raise ValueError(f"`clip` must be > 0, got {clip}")
+    if ratio_granularity not in ("macro", "token"):
+        raise ValueError(f"`ratio_granularity` must be 'macro' or 'token', got {ratio_granularity!r}")
+
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
+    advantages = torch.where(mask, advantages, zeros)
+    if segment_ids is None or ratio_granularity == "token":
+        units = mask  # every token is its own unit
+        weights = mask.to(logprobs.dtype)
+    else:
+        check_segment_ids(segment_ids, mask)
+        weights = segment_lengths(segment_ids).to(logprobs.dtype)  # [B, S]
+        units = weights > 0
+        log_ratio = segment_sum(log_ratio, segment_ids, weights.shape[1])
+        advantages = _segment_mean(advantages, segment_ids, weights)
+
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    surrogate = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
+    per_unit = torch.maximum(surrogate, clipped)
+    loss = (per_unit * weights).sum() / mask.sum().clamp(min=1)
+
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > surrogate).float(), units),
+            "approxkl": masked_mean((ratio - 1.0) - log_ratio, units),
+            "ratio_mean": masked_mean(ratio, units),
+            "ratio_max": torch.where(units, ratio, torch.zeros_like(ratio)).max() if units.numel() else ratio.new_zeros(()),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    clip: float | None = None,
+    value_weighting: ValueWeighting = "equal",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss ``0.5 * max((V - Q)^2, (V_clipped - Q)^2)`` (unclipped when ``clip`` is None).
+
+    With segments, the predicted value of segment tau is the weighted sum of its token values
+    (same weighting as in macro_gae) and is regressed to Q_tau; each segment is weighted by its
+    token count and the sum divided by the number of masked tokens.
+
+    Args:
+        values: float [B, T], current critic values (with grad).
+        old_values: float [B, T], values at rollout time (for clipping).
+        returns: float [B, T], GAE returns (constant within a segment).
+        mask: bool [B, T]; segment_ids: long [B, T] or None.
+        clip: value clip range around old values, or None.
+    Returns:
+        loss, stats with vf_clipfrac.
+    """
+    check_mask(mask)
+    check_like(values, mask, "values")
+    check_like(old_values, mask, "old_values")
+    check_like(returns, mask, "returns")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"`clip` must be > 0 or None, got {clip}")
+
+    if segment_ids is None:
+        units, weights = mask, mask.to(values.dtype)
+        zeros = torch.zeros_like(values)
+        values, old_values, returns = (torch.where(mask, x, zeros) for x in (values, old_values, returns))
+    else:
+        check_segment_ids(segment_ids, mask)
+        weights = segment_lengths(segment_ids).to(values.dtype)
+        units = weights > 0
+        values = segment_values(values, segment_ids, value_weighting)
+        old_values = segment_values(old_values, segment_ids, value_weighting)
+        returns = _segment_mean(returns, segment_ids, weights)
+
+    squared = (values - returns) ** 2
+    if clip is None:
+        per_unit = squared
+        clipfrac = torch.zeros((), device=values.device)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        squared_clipped = (clipped_values - returns) ** 2
+        per_unit = torch.maximum(squared, squared_clipped)
+        clipfrac = masked_mean((squared_clipped > squared).float(), units).detach()
+    loss = 0.5 * (per_unit * weights).sum() / mask.sum().clamp(min=1)
+    return loss, {"vf_clipfrac": clipfrac}
+
+
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Reward-model loss ``-log sigmoid(r_chosen - r_rejected)``, mean over pairs.
+
+    Args:
+        chosen_scores, rejected_scores: float [B].
+    Returns:
+        loss, stats with accuracy (chosen scored strictly higher) and margin (mean difference).
+    """
+    check_finite_vector(chosen_scores, "chosen_scores")
+    check_finite_vector(rejected_scores, "rejected_scores")
+    if chosen_scores.shape != rejected_scores.shape:
+        raise ValueError(
+            f"`chosen_scores` {tuple(chosen_scores.shape)} and `rejected_scores` "
+            f"{tuple(rejected_scores.shape)} must have the same shape"
+        )
+    margin = chosen_scores - rejected_scores
+    loss = -F.logsigmoid(margin).mean()
+    return loss, {"accuracy": (margin > 0).float().mean().detach(), "margin": margin.mean().detach()}
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct Preference Optimization (Rafailov et al., 2023), with optional conservative label
+    smoothing.
+
+    Args:
+        *_logps: float [B], summed response log-probs under the policy and the frozen reference.
+        beta: inverse temperature (> 0). label_smoothing: in [0, 0.5).
+    Returns:
+        loss, stats with accuracy, chosen_reward, rejected_reward, margin (implicit rewards
+        beta * (log pi - log pi_ref)).
+    """
+    names = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+    tensors = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    for name, x in zip(names, tensors):
+        check_finite_vector(x, name)
+        if x.shape != policy_chosen_logps.shape:
+            raise ValueError(f"`{name}` has shape {tuple(x.shape)}, expected {tuple(policy_chosen_logps.shape)}")
+    if not beta > 0:
+        raise ValueError(f"`beta` must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}")
+    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)
+    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)
+    logits = chosen_rewards - rejected_rewards
+    loss = (-(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)).mean()
+    stats = {
+        "accuracy": (logits > 0).float().mean().detach(),
+        "chosen_reward": chosen_rewards.mean().detach(),
+        "rejected_reward": rejected_rewards.mean().detach(),
+        "margin": logits.mean().detach(),
+    }
+    return loss, stats

@@ -1,0 +1,197 @@
+"""Macro-action termination rules and segment reductions.
+
+Every function works on response tokens only, shaped ``[B, T]`` and right-padded; ``mask`` is a
+bool ``[B, T]`` tensor, True on real response tokens. A termination rule returns ``segment_ids``,
+a long ``[B, T]`` tensor numbering the segments of each row 0, 1, 2, ... left to right, covering
+every masked token, with -1 on padding. Nothing here loops over batch rows; only ``perplexity``
+loops over time (its rule is sequential), vectorised across the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from marlhf._checks import check_like, check_mask
+
+__all__ = [
+    "fixed_ngram",
+    "randomized_ngram",
+    "perplexity",
+    "parsing",
+    "split_last_token",
+    "segment_sum",
+    "segment_lengths",
+    "num_segments",
+    "broadcast_segments",
+    "segment_last_token",
+]
+
+
+def fixed_ngram(mask: torch.Tensor, n: int | float | str | None) -> torch.Tensor:
+    """Segments of exactly ``n`` tokens, the last one of a row truncated.
+
+    ``n=None``, ``"inf"`` or ``float("inf")`` gives one segment per row; ``n=1`` one token per
+    segment (token-level PPO).
+
+    Args:
+        mask: bool [B, T].
+        n: segment length (int >= 1) or one of the "whole response" spellings.
+    Returns:
+        segment_ids: long [B, T], -1 on padding.
+    """
+    check_mask(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    if n is None or n == "inf" or n == float("inf"):
+        ids = torch.zeros_like(positions)
+    elif isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"`n` must be an int >= 1 or None/'inf' for one segment per response, got {n!r}")
+    elif n < 1:
+        raise ValueError(f"`n` must be >= 1, got {n}")
+    else:
+        ids = positions // n
+    return ids.masked_fill(~mask, -1)
+
+
+def randomized_ngram(
+    mask: torch.Tensor,
+    lengths: Sequence[int] = (2, 3, 5, 10),
+    repeat_times: int = 3,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Segment lengths drawn from ``lengths * repeat_times``, shuffled independently per row.
+
+    Consecutive segments take their lengths from the shuffled list in order; once the list is
+    used up, the remaining tokens form one last segment.
+
+    Args:
+        mask: bool [B, T].
+        lengths: candidate segment lengths, each >= 1.
+        repeat_times: how many times the list is repeated before shuffling (>= 1).
+        generator: optional torch.Generator for reproducible shuffles.
+    Returns:
+        segment_ids: long [B, T], -1 on padding.
+    """
+    check_mask(mask)
+    lengths = list(lengths)
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"`lengths` must be a non-empty sequence of ints >= 1, got {lengths!r}")
+    if isinstance(repeat_times, bool) or not isinstance(repeat_times, int) or repeat_times < 1:
+        raise ValueError(f"`repeat_times` must be an int >= 1, got {repeat_times!r}")
+    batch, width = mask.shape
+    pool = torch.tensor(lengths * repeat_times)
+    rand_device = generator.device if generator is not None else torch.device("cpu")
+    order = torch.rand(batch, len(pool), generator=generator, device=rand_device).argsort(dim=1)
+    ends = pool[order.cpu()].cumsum(dim=1).to(mask.device)  # [B, K] exclusive end of each segment
+    positions = torch.arange(width, device=mask.device).expand(batch, width).contiguous()
+    # Segment of token t = number of segment ends at or before t; past the last end it is K,
+    # the remainder segment.
+    ids = torch.searchsorted(ends, positions, right=True)
+    return ids.masked_fill(~mask, -1)
+
+
+def perplexity(mask: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Greedy perplexity-based termination under the frozen reference model.
+
+    Left to right, a segment keeps growing while adding the next token does not raise the
+    segment's mean negative log-prob; when it would (the token's NLL is above the current mean),
+    a new segment starts at that token.
+
+    Args:
+        mask: bool [B, T].
+        ref_logprobs: float [B, T], reference log-probs of the sampled tokens.
+    Returns:
+        segment_ids: long [B, T], -1 on padding.
+    """
+    check_mask(mask)
+    check_like(ref_logprobs, mask, "ref_logprobs")
+    batch, width = mask.shape
+    nll = -ref_logprobs.detach().to(torch.float64)
+    ids = torch.zeros(batch, width, dtype=torch.long, device=mask.device)
+    if width == 0:
+        return ids
+    seg_sum = nll[:, 0].clone()
+    seg_len = torch.ones(batch, dtype=torch.float64, device=mask.device)
+    current = torch.zeros(batch, dtype=torch.long, device=mask.device)
+    for t in range(1, width):
+        starts = nll[:, t] * seg_len > seg_sum  # NLL above the running mean, without dividing
+        current = current + starts.long()
+        ids[:, t] = current
+        seg_sum = torch.where(starts, nll[:, t], seg_sum + nll[:, t])
+        seg_len = torch.where(starts, 1.0, seg_len + 1.0)
+    return ids.masked_fill(~mask, -1)
+
+
+def parsing(*args, **kwargs):
+    """Parsing-based termination; see :func:`marlhf.parsing.parsing`."""
+    from marlhf.parsing import parsing as _parsing  # spaCy is heavy: import only when used
+
+    return _parsing(*args, **kwargs)
+
+
+def split_last_token(segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give the last real token of each row a segment of its own (the released code's layout,
+    where that token carries the reward-model score). Rows whose last segment already has one
+    token are unchanged.
+
+    Args:
+        segment_ids: long [B, T]; mask: bool [B, T].
+    Returns:
+        segment_ids: long [B, T].
+    """
+    check_mask(mask)
+    lengths = mask.sum(dim=1)
+    last = (lengths - 1).clamp(min=0)
+    prev = (lengths - 2).clamp(min=0)
+    last_id = segment_ids.gather(1, last[:, None])
+    shares = (lengths >= 2)[:, None] & (segment_ids.gather(1, prev[:, None]) == last_id)
+    return segment_ids.scatter(1, last[:, None], last_id + shares.long())
+
+
+def _num_slots(segment_ids: torch.Tensor) -> int:
+    return int(segment_ids.max().item()) + 1 if segment_ids.numel() else 0
+
+
+def segment_sum(x: torch.Tensor, segment_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` over the tokens of each segment.
+
+    Args:
+        x: [B, T] values (gradients flow through).
+        segment_ids: long [B, T], -1 on padding (padding is ignored).
+        num_slots: S, the number of segment slots per row; default max segment id + 1.
+    Returns:
+        [B, S]; slots past a row's last segment hold 0.
+    """
+    slots = _num_slots(segment_ids) if num_slots is None else num_slots
+    # Padding goes to an extra slot that is dropped.
+    index = segment_ids.masked_fill(segment_ids < 0, slots)
+    out = x.new_zeros(x.shape[0], slots + 1)
+    return out.scatter_add(1, index, x)[:, :slots]
+
+
+def segment_lengths(segment_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+    """Token count of each segment: long [B, S] (0 for slots past a row's last segment)."""
+    ones = torch.ones_like(segment_ids)
+    return segment_sum(ones, segment_ids, num_slots)
+
+
+def num_segments(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Number of segments per row: long [B] (0 for an empty row)."""
+    if segment_ids.shape[1] == 0:
+        return segment_ids.new_zeros(segment_ids.shape[0])
+    return segment_ids.max(dim=1).values + 1
+
+
+def broadcast_segments(x_seg: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Copy each segment's value to its tokens: [B, S] -> [B, T], 0 on padding."""
+    if x_seg.shape[1] == 0:
+        return x_seg.new_zeros(segment_ids.shape)
+    gathered = x_seg.gather(1, segment_ids.clamp(min=0))
+    return torch.where(segment_ids >= 0, gathered, torch.zeros_like(gathered))
+
+
+def segment_last_token(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T], True on the last token of every segment."""
+    following = torch.cat([segment_ids[:, 1:], segment_ids.new_full((segment_ids.shape[0], 1), -1)], dim=1)
+    return (segment_ids >= 0) & (following != segment_ids)

@@ -1,0 +1,196 @@
+import pytest
+import torch
+
+from marlhf.advantages import (
+    discounted_reverse_cumsum,
+    grpo,
+    kl_penalized_rewards,
+    macro_gae,
+    reinforce,
+    rloo,
+    segment_values,
+    token_gae,
+    whiten,
+)
+from marlhf.segments import fixed_ngram, num_segments, perplexity, randomized_ngram, split_last_token
+from tests.reference import macro_gae_ref, random_batch, token_gae_ref
+
+
+def _ragged(seed, batch=9, width=21):
+    g = torch.Generator().manual_seed(seed)
+    mask, lengths = random_batch(batch, width, g)
+    rewards = torch.randn(batch, width, generator=g, dtype=torch.double)
+    values = torch.randn(batch, width, generator=g, dtype=torch.double)
+    return mask, lengths, rewards, values, g
+
+
+def _assert_close(actual: torch.Tensor, expected, mask):
+    expected = torch.tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9)
+    assert (actual[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_token_gae_matches_reference(seed, gamma, lam):
+    mask, lengths, rewards, values, _ = _ragged(seed)
+    adv, ret = token_gae(rewards, values, mask, gamma, lam)
+    adv_ref, ret_ref = token_gae_ref(rewards.tolist(), values.tolist(), lengths, gamma, lam)
+    _assert_close(adv, adv_ref, mask)
+    _assert_close(ret, ret_ref, mask)
+
+
+def _segmentations(mask, g):
+    yield "fixed1", fixed_ngram(mask, 1)
+    yield "fixed3", fixed_ngram(mask, 3)
+    yield "fixed50", fixed_ngram(mask, 50)  # n larger than every row
+    yield "whole", fixed_ngram(mask, None)
+    yield "randomized", randomized_ngram(mask, generator=g)
+    yield "perplexity", perplexity(mask, -torch.rand(mask.shape, generator=g))
+    yield "last_own", split_last_token(fixed_ngram(mask, 4), mask)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("weighting", ["equal", "unit", "position"])
+@pytest.mark.parametrize("segment_reward", ["sum", "mean"])
+def test_macro_gae_matches_reference(seed, weighting, segment_reward):
+    mask, _, rewards, values, g = _ragged(seed)
+    for name, ids in _segmentations(mask, g):
+        for gamma, lam in [(1.0, 0.95), (0.9, 0.7)]:
+            adv, ret = macro_gae(rewards, values, mask, ids, gamma, lam, weighting, segment_reward)
+            adv_ref, ret_ref = macro_gae_ref(
+                rewards.tolist(), values.tolist(), ids.tolist(), gamma, lam, weighting, segment_reward
+            )
+            _assert_close(adv, adv_ref, mask)
+            _assert_close(ret, ret_ref, mask)
+
+
+@pytest.mark.parametrize("weighting", ["equal", "unit", "position"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.double])
+def test_macro_gae_with_one_token_segments_is_token_gae(weighting, dtype):
+    mask, _, rewards, values, _ = _ragged(7, batch=16, width=40)
+    rewards, values = rewards.to(dtype), values.to(dtype)
+    expected = token_gae(rewards, values, mask, 1.0, 0.95)
+    actual = macro_gae(rewards, values, mask, fixed_ngram(mask, 1), 1.0, 0.95, weighting)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+def test_one_segment_gives_one_advantage_per_row():
+    mask, lengths, rewards, values, _ = _ragged(2)
+    adv, ret = macro_gae(rewards, values, mask, fixed_ngram(mask, None), 1.0, 0.95)
+    for b, n in enumerate(lengths):
+        if n:
+            assert torch.unique(adv[b, :n]).numel() == 1
+            # One segment, gamma = 1, V_next = 0: A = sum of rewards - mean value.
+            expected = rewards[b, :n].sum() - values[b, :n].mean()
+            assert adv[b, 0].item() == pytest.approx(expected.item(), abs=1e-9)
+            assert ret[b, 0].item() == pytest.approx(rewards[b, :n].sum().item(), abs=1e-9)
+
+
+def test_segment_value_weightings_on_hand_example():
+    ids = torch.tensor([[0, 0, 0, 1, -1]])
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.0]])
+    torch.testing.assert_close(segment_values(values, ids, "equal"), torch.tensor([[2.0, 4.0]]))
+    torch.testing.assert_close(segment_values(values, ids, "unit"), torch.tensor([[3.0, 4.0]]))
+    # Weights 1/3, 1/2, 1 normalised by H = 11/6.
+    expected = (1 / 3 * 1 + 1 / 2 * 2 + 1 * 3) / (11 / 6)
+    torch.testing.assert_close(segment_values(values, ids, "position"), torch.tensor([[expected, 4.0]]))
+
+
+def test_gae_gradients():
+    mask, _, rewards, values, _ = _ragged(4, batch=4, width=7)
+    ids = fixed_ngram(mask, 3)
+    rewards.requires_grad_(True)
+    values.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda r, v: macro_gae(r, v, mask, ids, 0.9, 0.8, "position"), (rewards, values))
+    assert torch.autograd.gradcheck(lambda r, v: token_gae(r, v, mask, 0.9, 0.8), (rewards, values))
+
+
+def test_discounted_reverse_cumsum_long_rows():
+    x = torch.randn(3, 600, dtype=torch.double)
+    expected = torch.zeros_like(x)
+    running = torch.zeros(3, dtype=torch.double)
+    for t in reversed(range(600)):
+        running = x[:, t] + 0.95 * running
+        expected[:, t] = running
+    torch.testing.assert_close(discounted_reverse_cumsum(x, 0.95), expected)
+    torch.testing.assert_close(discounted_reverse_cumsum(x, 1.0), x.flip(1).cumsum(1).flip(1))
+
+
+def test_gae_rejects_bad_input():
+    mask, _, rewards, values, _ = _ragged(0, batch=3, width=5)
+    ids = fixed_ngram(mask, 2)
+    nan_rewards = rewards.clone()
+    nan_rewards[2, 0] = float("nan")  # row 2 has the full width, so position 0 is real
+    with pytest.raises(ValueError, match="`rewards`"):
+        macro_gae(nan_rewards, values, mask, ids)
+    with pytest.raises(ValueError, match="`rewards`"):
+        token_gae(nan_rewards, values, mask)
+    with pytest.raises(ValueError, match="`values`"):
+        token_gae(rewards, values[:, :4], mask)
+    with pytest.raises(ValueError, match="`mask`"):
+        token_gae(rewards, values, mask.long())
+    with pytest.raises(ValueError, match="`segment_ids`"):
+        macro_gae(rewards, values, mask, fixed_ngram(mask, 2)[:, :4])
+    with pytest.raises(ValueError, match="`value_weighting`"):
+        macro_gae(rewards, values, mask, ids, value_weighting="first")
+    with pytest.raises(ValueError, match="`segment_reward`"):
+        macro_gae(rewards, values, mask, ids, segment_reward="max")
+    with pytest.raises(ValueError, match="`lam`"):
+        token_gae(rewards, values, mask, lam=1.5)
+
+
+def test_kl_penalized_rewards_puts_score_on_last_real_token():
+    mask, lengths = random_batch(6, 8, torch.Generator().manual_seed(9))
+    logprobs, ref = -torch.rand(6, 8), -torch.rand(6, 8)
+    scores = torch.arange(6, dtype=torch.float32) + 1
+    rewards = kl_penalized_rewards(scores, logprobs, ref, mask, kl_coef=0.05)
+    for b, n in enumerate(lengths):
+        for t in range(8):
+            expected = -0.05 * (logprobs[b, t] - ref[b, t]).item() if t < n else 0.0
+            if t == n - 1:
+                expected += scores[b].item()
+            assert rewards[b, t].item() == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ValueError, match="`scores`"):
+        kl_penalized_rewards(torch.tensor([float("nan")] * 6), logprobs, ref, mask, 0.05)
+    with pytest.raises(ValueError, match="`kl_coef`"):
+        kl_penalized_rewards(scores, logprobs, ref, mask, -1.0)
+
+
+def test_sequence_level_estimators():
+    scores = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 13.0])
+    expected_rloo = []
+    for group in (scores[:3], scores[3:]):
+        for i in range(3):
+            others = [group[j].item() for j in range(3) if j != i]
+            expected_rloo.append(group[i].item() - sum(others) / 2)
+    torch.testing.assert_close(rloo(scores, 3), torch.tensor(expected_rloo))
+    g = grpo(scores, 3)
+    for k in range(2):
+        group = scores[3 * k : 3 * k + 3]
+        torch.testing.assert_close(g[3 * k : 3 * k + 3], (group - group.mean()) / (group.std() + 1e-6))
+    torch.testing.assert_close(grpo(scores, 3, normalize_std=False), torch.tensor([-1.0, 0.0, 1.0, -1.0, -1.0, 2.0]))
+    torch.testing.assert_close(reinforce(scores), scores - scores.mean())
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        rloo(scores, 4)
+    with pytest.raises(ValueError, match="`group_size`"):
+        rloo(scores, 1)
+    with pytest.raises(ValueError, match="`scores`"):
+        reinforce(torch.tensor([1.0, float("nan")]))
+
+
+def test_whiten():
+    mask, lengths, x, _, _ = _ragged(5)
+    out = whiten(x, mask)
+    real = out[mask]
+    assert real.mean().item() == pytest.approx(0.0, abs=1e-9)
+    assert real.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-6)
+    assert (out[~mask] == 0).all()
+    kept = whiten(x, mask, shift_mean=False)
+    assert kept[mask].mean().item() == pytest.approx(x[mask].mean().item(), abs=1e-9)
+
+
+def test_num_segments_of_macro_layouts():
+    mask, lengths = random_batch(5, 12, torch.Generator().manual_seed(0))
+    assert num_segments(fixed_ngram(mask, 5)).tolist() == [-(-n // 5) for n in lengths]
