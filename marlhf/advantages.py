@@ -23,6 +23,7 @@ from marlhf.segments import (
     broadcast_segments,
     segment_last_token,
     segment_lengths,
+    segment_mean,
     segment_sum,
 )
 
@@ -175,11 +176,16 @@ def segment_values(
     values: torch.Tensor,
     segment_ids: torch.Tensor,
     value_weighting: ValueWeighting = "equal",
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S]."""
-    mask = segment_ids >= 0
-    weights = segment_weights(segment_ids, mask, value_weighting, values.dtype)
-    return segment_sum(torch.where(mask, values, 0.0) * weights, segment_ids)
+    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S].
+
+    ``lengths`` (from :func:`segment_lengths`) may be passed to save a pass over the batch.
+    """
+    if value_weighting == "equal":  # the common case, without building per-token weights
+        return segment_mean(values, segment_ids, lengths)
+    weights = segment_weights(segment_ids, segment_ids >= 0, value_weighting, values.dtype)
+    return segment_sum(values * weights, segment_ids, None if lengths is None else lengths.shape[1])
 
 
 def macro_gae(
@@ -207,11 +213,12 @@ def macro_gae(
     check_segment_ids(segment_ids, mask)
     if segment_reward not in ("sum", "mean"):
         raise ValueError(f"`segment_reward` must be 'sum' or 'mean', got {segment_reward!r}")
-    rewards = torch.where(mask, rewards, 0.0)
-    seg_rewards = segment_sum(rewards, segment_ids)  # [B, S]
-    if segment_reward == "mean":
-        seg_rewards = seg_rewards / segment_lengths(segment_ids, seg_rewards.shape[1]).clamp(min=1)
-    seg_values = segment_values(values, segment_ids, value_weighting)  # 0 on missing segments
+    lengths = segment_lengths(segment_ids)  # [B, S]
+    if segment_reward == "sum":
+        seg_rewards = segment_sum(rewards, segment_ids, lengths.shape[1])
+    else:
+        seg_rewards = segment_mean(rewards, segment_ids, lengths)
+    seg_values = segment_values(values, segment_ids, value_weighting, lengths)  # 0 on missing segments
     next_values = torch.cat([seg_values[:, 1:], seg_values.new_zeros(seg_values.shape[0], 1)], dim=1)
     deltas = seg_rewards + gamma * next_values - seg_values  # 0 on missing segments
     seg_advantages = discounted_reverse_cumsum(deltas, gamma * lam)

@@ -18,16 +18,12 @@ import torch.nn.functional as F
 
 from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
 from marlhf.advantages import ValueWeighting, masked_mean, segment_values
-from marlhf.segments import segment_lengths, segment_sum
+from marlhf.segments import segment_lengths, segment_mean, segment_sum
 
 __all__ = ["policy_loss", "value_loss", "bradley_terry_loss", "dpo_loss"]
 
 # exp(20) ~ 4.9e8: a long segment's summed log-ratio is clamped before exp so it cannot overflow.
 MAX_LOG_RATIO = 20.0
-
-
-def _segment_mean(x: torch.Tensor, segment_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    return segment_sum(torch.where(segment_ids >= 0, x, 0.0), segment_ids, lengths.shape[1]) / lengths.clamp(min=1)
 
 
 def policy_loss(
@@ -72,10 +68,10 @@ def policy_loss(
         weights = mask.to(logprobs.dtype)
     else:
         check_segment_ids(segment_ids, mask)
-        weights = segment_lengths(segment_ids).to(logprobs.dtype)  # [B, S]
-        units = weights > 0
-        log_ratio = segment_sum(log_ratio, segment_ids, weights.shape[1])
-        advantages = _segment_mean(advantages, segment_ids, weights)
+        lengths = segment_lengths(segment_ids)  # [B, S]
+        weights, units = lengths.to(logprobs.dtype), lengths > 0
+        log_ratio = segment_sum(log_ratio, segment_ids, lengths.shape[1])
+        advantages = segment_mean(advantages, segment_ids, lengths)
 
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -131,11 +127,11 @@ def value_loss(
         values, old_values, returns = (torch.where(mask, x, zeros) for x in (values, old_values, returns))
     else:
         check_segment_ids(segment_ids, mask)
-        weights = segment_lengths(segment_ids).to(values.dtype)
-        units = weights > 0
-        values = segment_values(values, segment_ids, value_weighting)
-        old_values = segment_values(old_values, segment_ids, value_weighting)
-        returns = _segment_mean(returns, segment_ids, weights)
+        lengths = segment_lengths(segment_ids)
+        weights, units = lengths.to(values.dtype), lengths > 0
+        values = segment_values(values, segment_ids, value_weighting, lengths)
+        old_values = segment_values(old_values, segment_ids, value_weighting, lengths)
+        returns = segment_mean(returns, segment_ids, lengths)
 
     squared = (values - returns) ** 2
     if clip is None:

@@ -22,6 +22,7 @@ __all__ = [
     "parsing",
     "split_last_token",
     "segment_sum",
+    "segment_mean",
     "segment_lengths",
     "num_segments",
     "broadcast_segments",
@@ -158,16 +159,25 @@ def segment_sum(x: torch.Tensor, segment_ids: torch.Tensor, num_slots: int | Non
 
     Args:
         x: [B, T] values (gradients flow through).
-        segment_ids: long [B, T], -1 on padding (padding is ignored).
+        segment_ids: long [B, T], -1 on padding (padding is ignored, whatever ``x`` holds there).
         num_slots: S, the number of segment slots per row; default max segment id + 1.
     Returns:
         [B, S]; slots past a row's last segment hold 0.
     """
     slots = _num_slots(segment_ids) if num_slots is None else num_slots
-    # Padding goes to an extra slot that is dropped.
-    index = segment_ids.masked_fill(segment_ids < 0, slots)
+    # Shift ids by one so that padding (-1) lands in slot 0, which is dropped.
     out = x.new_zeros(x.shape[0], slots + 1)
-    return out.scatter_add(1, index, x)[:, :slots]
+    return out.scatter_add(1, segment_ids + 1, x)[:, 1:]
+
+
+def segment_mean(x: torch.Tensor, segment_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the tokens of each segment: [B, T] -> [B, S] (0 for missing segments).
+
+    ``lengths`` (from :func:`segment_lengths`) may be passed to save a pass over the batch.
+    """
+    if lengths is None:
+        lengths = segment_lengths(segment_ids)
+    return segment_sum(x, segment_ids, lengths.shape[1]) / lengths.clamp(min=1)
 
 
 def segment_lengths(segment_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
