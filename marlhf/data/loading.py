@@ -1,0 +1,143 @@
+"""`load_records`: the one entry point from a dataset name to a list of stage records.
+
+``datasets.load_dataset`` (in `load_hub_split`) is the only place that touches the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from typing import Any, Iterable
+
+from tqdm import tqdm
+
+from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows
+from marlhf.data.splits import split_indices
+from marlhf.data.tasks import TASKS, TASKS_BY_HUB_ID, SkipRow, Task
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_task(dataset: str, task: str | None) -> Task | None:
+    """The task whose raw schema ``dataset`` is in: from ``task``, or from a Hub id; None for a processed local file."""
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)} or None, got {task!r}")
+    if is_local_path(dataset):
+        return TASKS[task] if task is not None else None
+    if dataset not in TASKS_BY_HUB_ID:
+        raise ValueError(
+            f"dataset must be a local .jsonl/.parquet path or one of {sorted(TASKS_BY_HUB_ID)}, got {dataset!r}"
+        )
+    hub_task = TASKS_BY_HUB_ID[dataset]
+    if task is not None and task != hub_task.name:
+        raise ValueError(f"task={task!r} does not match dataset {dataset!r} (task {hub_task.name!r})")
+    return hub_task
+
+
+def load_hub_split(task: Task, split: str) -> Any:
+    """One split of a task's Hub dataset, as a ``datasets.Dataset`` (downloads on first use, then cached)."""
+    import datasets
+
+    return datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
+
+
+def convert_rows(task: Task, rows: Iterable[dict[str, Any]], stage: str) -> tuple[list[dict[str, Any]], Counter]:
+    """Records of ``stage`` from raw rows of ``task``, and the count of skipped rows per reason.
+
+    For ``eval`` a prompt already seen is skipped too (TL;DR has several comparisons per post), so each
+    evaluation prompt is scored once. ``rl`` keeps one prompt per comparison, as the released code does.
+    """
+    records, skipped, seen_prompts = [], Counter(), set()
+    for row in tqdm(rows, desc=f"{task.name} {stage} records", disable=None, leave=False):
+        try:
+            record = task.to_record(row, stage)
+        except SkipRow as reason:
+            skipped[str(reason)] += 1
+            continue
+        if stage == "eval":
+            if record["prompt"] in seen_prompts:
+                skipped["duplicate prompt"] += 1
+                continue
+            seen_prompts.add(record["prompt"])
+        records.append(record)
+    return records, skipped
+
+
+def stage_rows(task: Task, stage: str, rows: Any, seed: int) -> Any:
+    """The rows of one source split that belong to ``stage`` (``rows`` supports ``len`` and ``select`` or indexing).
+
+    ``rows`` is the train split for sft/rm/rl and the evaluation split for eval; for a task without an
+    evaluation split (WebGPT) it is the train split in both cases, cut into held-out and training parts first.
+    """
+    if stage != "eval" and stage not in task.stage_fractions:
+        raise ValueError(f"stage {stage!r} is not defined for task {task.name!r}; stages: {sorted(task.stage_fractions)} and 'eval'")
+    if task.eval_split is None:
+        train_part, heldout_part = split_indices(len(rows), (1 - task.heldout_fraction, task.heldout_fraction), seed)
+        if stage == "eval":
+            return select(rows, heldout_part)
+        rows = select(rows, train_part)
+    elif stage == "eval":
+        return rows
+    parts = split_indices(len(rows), tuple(task.stage_fractions.values()), seed)
+    return select(rows, parts[list(task.stage_fractions).index(stage)])
+
+
+def select(rows: Any, indices: list[int]) -> Any:
+    return rows.select(indices) if hasattr(rows, "select") else [rows[i] for i in indices]
+
+
+def subsample(records: list[dict[str, Any]], max_samples: int | None, seed: int) -> list[dict[str, Any]]:
+    """A seeded random subset of ``max_samples`` records, kept in their original order."""
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples}")
+    if max_samples is None or max_samples >= len(records):
+        return records
+    kept = sorted(random.Random(seed).sample(range(len(records)), max_samples))
+    return [records[i] for i in kept]
+
+
+def load_records(
+    dataset: str,
+    stage: str,
+    *,
+    task: str | None = None,
+    seed: int = 1234,
+    max_samples: int | None = None,
+) -> list[dict[str, Any]]:
+    """Records of ``stage`` ("sft", "rm", "rl" or "eval") from ``dataset``.
+
+    ``dataset`` is one of:
+
+    - a Hub id of the paper (``openai/summarize_from_feedback``, ``Dahoas/full-hh-rlhf``,
+      ``openai/webgpt_comparisons``, ``codeparrot/apps``): sft/rm/rl take their disjoint share of the train
+      split (20/40/40; APPS 20/80; seeded by ``seed``, see `marlhf.data.splits`), eval takes the held-out
+      split (WebGPT: a seeded 5% of its only split, the other 95% being divided among the stages);
+    - a local ``.jsonl``/``.parquet`` file with ``task=None``: rows already in the stage's schema (see
+      `marlhf.data.records`), taken as they are; a missing or empty field raises ValueError;
+    - a local file with ``task`` in ("tldr", "hh", "webgpt", "apps"): rows in that task's raw Hub schema,
+      standing in for the Hub split the stage reads (the train split for sft/rm/rl, the evaluation split
+      for eval — for WebGPT the train split in both cases) and processed exactly like it.
+
+    Raw rows that cannot make a record are skipped and counted per reason in a logged warning.
+    ``max_samples`` keeps a random subset drawn with ``seed`` (e.g. the paper's 2,000 evaluation prompts).
+    """
+    check_stage(stage)
+    resolved = resolve_task(dataset, task)
+    if resolved is None:
+        records = read_rows(dataset)
+        check_stage_records(records, stage, source=dataset)
+        return subsample(records, max_samples, seed)
+    if is_local_path(dataset):
+        source, rows = dataset, read_rows(dataset)
+    else:
+        split = resolved.train_split if stage != "eval" or resolved.eval_split is None else resolved.eval_split
+        source, rows = f"{dataset}[{split}]", load_hub_split(resolved, split)
+    num_rows = len(rows)
+    records, skipped = convert_rows(resolved, stage_rows(resolved, stage, rows, seed), stage)
+    if skipped:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in skipped.most_common())
+        logger.warning("%s (%s, stage %s): skipped %d rows (%s)", source, resolved.name, stage, sum(skipped.values()), reasons)
+    if not records:
+        raise ValueError(f"{source}: no usable {stage!r} records among its {num_rows} rows (skipped: {dict(skipped)})")
+    return subsample(records, max_samples, seed)

@@ -1,0 +1,71 @@
+"""Record schemas of the training stages and reading of local record files.
+
+A record is a plain dict. Each stage needs these string fields (extra fields, such as the unit
+tests of an APPS problem, ride along unchanged):
+
+- ``"sft"``: ``prompt``, ``response``
+- ``"rm"``: ``prompt``, ``chosen``, ``rejected``
+- ``"rl"`` and ``"eval"``: ``prompt``
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "sft": ("prompt", "response"),
+    "rm": ("prompt", "chosen", "rejected"),
+    "rl": ("prompt",),
+    "eval": ("prompt",),
+}
+LOCAL_SUFFIXES = (".jsonl", ".parquet")
+
+
+def check_stage(stage: str) -> None:
+    if stage not in STAGE_FIELDS:
+        raise ValueError(f"stage must be one of {sorted(STAGE_FIELDS)}, got {stage!r}")
+
+
+def is_local_path(dataset: str) -> bool:
+    return Path(dataset).suffix in LOCAL_SUFFIXES
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a local ``.jsonl`` (one JSON object per line) or ``.parquet`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
+                rows.append(row)
+        return rows
+    if path.suffix == ".parquet":
+        import pyarrow.parquet  # a dependency of `datasets`
+
+        return pyarrow.parquet.read_table(path).to_pylist()
+    raise ValueError(f"dataset file must end in one of {LOCAL_SUFFIXES}, got {str(path)!r}")
+
+
+def check_stage_records(records: list[dict[str, Any]], stage: str, source: str) -> None:
+    """Raise a ValueError naming the first record whose stage fields are missing, not strings, or empty."""
+    for index, record in enumerate(records):
+        for field in STAGE_FIELDS[stage]:
+            value = record.get(field)
+            if not isinstance(value, str) or not value.strip():
+                problem = "missing" if field not in record else f"not a non-empty string ({value!r:.40})"
+                raise ValueError(
+                    f"{source}: record {index} has field {field!r} {problem}; "
+                    f"stage {stage!r} records need non-empty string fields {list(STAGE_FIELDS[stage])}"
+                )

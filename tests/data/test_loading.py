@@ -1,0 +1,199 @@
+"""`load_records` on local files (processed and raw Hub schemas) and on Hub ids with `load_dataset` faked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from marlhf.data import TASKS, load_records
+from marlhf.data.loading import convert_rows
+from marlhf.data.records import read_rows
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+RAW = {"tldr": "tldr_comparisons.jsonl", "hh": "hh_rlhf.jsonl", "webgpt": "webgpt_comparisons.jsonl", "apps": "apps.jsonl"}
+
+
+def raw_path(task: str) -> str:
+    return str(FIXTURES / RAW[task])
+
+
+# --- processed-schema files -----------------------------------------------------------------------------
+
+def test_processed_files_are_taken_as_they_are():
+    assert load_records(str(FIXTURES / "processed_sft.jsonl"), "sft")[1] == {"prompt": "Q: capital of France?\nA:", "response": " Paris"}
+    assert len(load_records(str(FIXTURES / "processed_rm.jsonl"), "rm")) == 2
+    rl = load_records(str(FIXTURES / "processed_rl.jsonl"), "rl")
+    assert rl[1] == {"prompt": "Q: capital of Italy?\nA:", "difficulty": "introductory"}  # extra fields ride along
+    assert load_records(str(FIXTURES / "processed_rm.jsonl"), "eval")[0]["prompt"] == "Q: 2+2?\nA:"
+
+
+def test_processed_parquet_file(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = read_rows(FIXTURES / "processed_rm.jsonl")
+    path = tmp_path / "rm.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    assert load_records(str(path), "rm") == rows
+
+
+@pytest.mark.parametrize(
+    ("stage", "message"),
+    [("sft", "record 1 has field 'response' not a non-empty string"), ("rm", "record 0 has field 'chosen' missing")],
+)
+def test_malformed_processed_rows_raise_naming_record_and_field(stage, message):
+    with pytest.raises(ValueError, match=message):
+        load_records(str(FIXTURES / "processed_malformed.jsonl"), stage)
+
+
+def test_bad_arguments_raise(tmp_path):
+    sft = str(FIXTURES / "processed_sft.jsonl")
+    with pytest.raises(ValueError, match="stage must be one of"):
+        load_records(sft, "ppo")
+    with pytest.raises(ValueError, match="dataset must be a local"):
+        load_records("someone/other_dataset", "sft")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_records(str(tmp_path / "missing.jsonl"), "sft")
+    with pytest.raises(ValueError, match="task must be one of"):
+        load_records(sft, "sft", task="summarize")
+    with pytest.raises(ValueError, match="does not match"):
+        load_records("Dahoas/full-hh-rlhf", "sft", task="tldr")
+    with pytest.raises(ValueError, match="max_samples"):
+        load_records(sft, "sft", max_samples=0)
+    bad_line = tmp_path / "bad.jsonl"
+    bad_line.write_text('{"prompt": "a", "response": "b"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: each line must be a JSON object"):
+        load_records(str(bad_line), "sft")
+
+
+def test_max_samples_is_a_seeded_subset_in_file_order():
+    path = raw_path("hh")
+    all_prompts = [r["prompt"] for r in load_records(path, "eval", task="hh")]
+    picked = load_records(path, "eval", task="hh", max_samples=4)
+    assert picked == load_records(path, "eval", task="hh", max_samples=4)
+    assert len(picked) == 4
+    positions = [all_prompts.index(r["prompt"]) for r in picked]
+    assert positions == sorted(positions)
+    assert load_records(path, "eval", task="hh", max_samples=4, seed=7) != picked
+
+
+# --- raw Hub schemas: conversion, prompt templates, counted skips -----------------------------------------
+
+def test_tldr_record_uses_the_paper_prompt_and_the_chosen_summary():
+    row = read_rows(raw_path("tldr"))[1]  # choice 1
+    record = TASKS["tldr"].to_record(row, "rm")
+    assert record["prompt"] == (
+        "POST\nSubreddit: r/AskReddit\nWhat is a small habit that noticeably improved your mornings? "
+        "I keep hitting snooze and feel rushed every day.\nTL;DR: "
+    )
+    assert record["chosen"] == row["summaries"][1]["text"].strip()
+    assert record["rejected"] == row["summaries"][0]["text"].strip()
+    assert TASKS["tldr"].to_record(row, "sft") == {"prompt": record["prompt"], "response": record["chosen"]}
+    assert TASKS["tldr"].to_record(row, "eval") == {"prompt": record["prompt"], "reference": record["chosen"]}
+
+
+def test_webgpt_record_picks_the_higher_score_and_drops_citation_markers():
+    rows = read_rows(raw_path("webgpt"))
+    record = TASKS["webgpt"].to_record(rows[0], "rm")  # score_0 = -1.0, so answer_1 wins
+    assert record["prompt"] == "\n\nHuman: Why do cats purr?\n\nAssistant:"
+    assert record["chosen"] == " Cats purr by rapidly twitching the muscles of the larynx. They purr when content but also when stressed."
+    assert record["rejected"] == " I am not sure."
+    assert "[" not in TASKS["webgpt"].to_record(rows[7], "sft")["response"]  # "[1-3]"
+
+
+def test_apps_records_carry_tests_for_rl_and_a_solution_for_sft():
+    row = read_rows(raw_path("apps"))[3]  # call-based, with starter code
+    rl = TASKS["apps"].to_record(row, "rl")
+    assert rl["prompt"] == (
+        "QUESTION:\nWrite a function is_even(n) that returns True when n is even.\ndef is_even(n):\n"
+        "Use Call-Based format\nANSWER:\n"
+    )
+    assert json.loads(rl["input_output"])["fn_name"] == "is_even"
+    assert (rl["difficulty"], rl["starter_code"], rl["problem_id"]) == ("introductory", row["starter_code"], 3)
+    assert TASKS["apps"].to_record(row, "sft")["response"] == json.loads(row["solutions"])[0]
+    assert "Use Standard Input format" in TASKS["apps"].to_record(read_rows(raw_path("apps"))[0], "rl")["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("task", "stage", "expected_skips"),
+    [
+        ("tldr", "rm", {"missing info.post": 1, "empty summaries.text": 1}),
+        ("tldr", "rl", {"missing info.post": 1, "empty summaries.text": 1}),
+        ("tldr", "eval", {"missing info.post": 1, "empty summaries.text": 1, "duplicate prompt": 1}),
+        ("hh", "sft", {"empty chosen": 1, "missing rejected": 1, "chosen and rejected identical": 1}),
+        ("webgpt", "rm", {"tied scores": 1, "empty question.full_text": 1}),
+        ("apps", "sft", {"no solutions": 1, "empty question": 1}),
+        ("apps", "rl", {"no unit tests": 1, "empty question": 1}),
+    ],
+)
+def test_malformed_raw_rows_are_skipped_and_counted(task, stage, expected_skips):
+    rows = read_rows(raw_path(task))
+    records, skipped = convert_rows(TASKS[task], rows, stage)
+    assert skipped == Counter(expected_skips)
+    assert len(records) == len(rows) - sum(expected_skips.values())
+
+
+def test_skips_are_logged_with_counts(caplog):
+    with caplog.at_level(logging.WARNING, logger="marlhf.data.loading"):
+        load_records(raw_path("webgpt"), "eval", task="webgpt")
+        load_records(raw_path("hh"), "eval", task="hh")
+    assert "(hh, stage eval): skipped 3 rows" in caplog.text
+    assert "chosen and rejected identical: 1" in caplog.text
+
+
+@pytest.mark.parametrize("task", ["tldr", "hh", "webgpt", "apps"])
+def test_local_raw_file_stages_are_disjoint_and_well_formed(task):
+    stages = [s for s in ("sft", "rm", "rl") if s in TASKS[task].stage_fractions]
+    prompts = {}
+    for stage in stages + ["eval"]:
+        records = load_records(raw_path(task), stage, task=task)
+        fields = {"sft": ("prompt", "response"), "rm": ("prompt", "chosen", "rejected")}.get(stage, ("prompt",))
+        assert records and all(isinstance(r[f], str) and r[f].strip() for r in records for f in fields)
+        prompts[stage] = {r["prompt"] for r in records}
+    for a in stages:
+        for b in stages:
+            if a < b:
+                assert not prompts[a] & prompts[b], (a, b)
+    if task == "webgpt":
+        assert not prompts["eval"] & (prompts["sft"] | prompts["rm"] | prompts["rl"])
+
+
+def test_apps_has_no_reward_model_stage():
+    with pytest.raises(ValueError, match="stage 'rm' is not defined for task 'apps'"):
+        load_records(raw_path("apps"), "rm", task="apps")
+
+
+def test_a_file_without_usable_rows_raises(tmp_path):
+    path = tmp_path / "ties.jsonl"
+    tie = read_rows(raw_path("webgpt"))[-2]
+    assert tie["score_0"] == tie["score_1"]
+    path.write_text(json.dumps(tie) + "\n")
+    with pytest.raises(ValueError, match="no usable 'eval' records"):
+        load_records(str(path), "eval", task="webgpt")
+
+
+# --- Hub ids: `datasets.load_dataset` replaced by the fixture, so no test touches the network ----------
+
+@pytest.mark.parametrize(
+    ("task", "stage", "split"),
+    [("tldr", "rm", "train"), ("tldr", "eval", "validation"), ("hh", "sft", "train"), ("hh", "eval", "test"),
+     ("webgpt", "rl", "train"), ("webgpt", "eval", "train"), ("apps", "rl", "train"), ("apps", "eval", "test")],
+)
+def test_hub_id_reads_the_right_split_and_matches_the_local_raw_file(monkeypatch, task, stage, split):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.Dataset.from_list(read_rows(raw_path(task)))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    hub_id = TASKS[task].hub_id
+    records = load_records(hub_id, stage)
+    assert calls == [(hub_id, {"split": split, **TASKS[task].hub_kwargs})]
+    assert records == load_records(raw_path(task), stage, task=task)
