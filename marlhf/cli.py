@@ -1,0 +1,70 @@
+"""Command line: `marlhf sft|reward|dpo|ppo [--config FILE.yaml] [--option value ...]` (also `python -m marlhf`).
+
+Each subcommand builds its trainer's config from the YAML file and the flags (flags win), then calls the
+trainer, which reads its records through marlhf.data.load_records(--dataset). `marlhf COMMAND --help`
+lists every option with its default. A trainer module is imported only when its command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from marlhf.demo.command import DEMO
+from marlhf.evaluation.commands import TOOLS
+
+TOOLS = {**TOOLS, "demo": DEMO}  # the file-based tools and the embedded demo
+
+# command -> (module, config class, train function, one-line description)
+COMMANDS = {
+    "sft": ("marlhf.trainers.sft", "SFTConfig", "train_sft", "supervised fine-tuning on prompt/response records"),
+    "reward": ("marlhf.trainers.reward", "RewardConfig", "train_reward_model",
+               "reward model on preference pairs (Bradley-Terry loss)"),
+    "dpo": ("marlhf.trainers.dpo", "DPOConfig", "train_dpo",
+            "direct preference optimization against a frozen reference"),
+    "ppo": ("marlhf.trainers.ppo", "PPOConfig", "train_ppo",
+            "PPO / MA-PPO with macro actions (and the critic-free baselines)"),
+    "evaluate": ("marlhf.evaluation.evaluate", "EvaluateConfig", "run_evaluation",
+                 "reward-model scores on validation prompts, checkpoint comparison, best-of-N, APPS pass@k"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only `command`'s subparser gets its options (importing its trainer)."""
+    parser = argparse.ArgumentParser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, config_name, _, description) in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=description, description=description)
+        if name == command:
+            _config_class(parser, module_name, config_name).add_arguments(subparser)
+    for name, tool in TOOLS.items():
+        tool.add_arguments(subparsers.add_parser(name, help=tool.description, description=tool.description))
+    return parser
+
+
+def _config_class(parser: argparse.ArgumentParser, module_name: str, config_name: str):
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        parser.error(f"{module_name} is not available in this installation")
+    return getattr(module, config_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(command)
+    arguments = parser.parse_args(argv)
+    if arguments.command in TOOLS:
+        return TOOLS[arguments.command].run(arguments)
+    module_name, config_name, train_name, _ = COMMANDS[arguments.command]
+    config_class = _config_class(parser, module_name, config_name)
+    try:
+        config = config_class.from_arguments(arguments)
+    except ValueError as error:
+        parser.error(f"{arguments.command}: {error}")
+    getattr(importlib.import_module(module_name), train_name)(config)
+    return 0

@@ -1,0 +1,274 @@
+"""Config dataclasses: YAML file + command-line overrides + validation up front.
+
+API (for trainer authors):
+    @dataclass(kw_only=True)
+    class MyConfig(TrainingConfig):            # or RunConfig for non-optimising jobs
+        clip: float = option(0.2, "PPO clip range", gt=0)
+        mode: Literal["a", "b"] = option("a", "what mode")
+        def validate(self): super().validate(); ...cross-field checks...
+
+    MyConfig(clip=-1)                          -> ValueError naming "clip"
+    MyConfig.from_dict({...})                  -> unknown key / wrong type -> ValueError naming the key
+    MyConfig.from_yaml("run.yaml", clip=0.1)   -> file values, then keyword overrides
+    MyConfig.parse_args(argv)                  -> argparse from the fields; `--config run.yaml` then flags
+    MyConfig.add_arguments(parser); MyConfig.from_arguments(namespace)   (used by marlhf.cli subcommands)
+    config.to_dict(); config.save_yaml(path)
+
+Supported field types: bool, int, float, str, Literal[...], tuple[T, ...], and `X | None` of these.
+Every field is declared with `option(default, help, gt=, ge=, lt=, le=)`; the bounds are checked on
+construction (None always passes bounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+_NONE_WORDS = ("none", "null")
+
+
+def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
+           lt: float | None = None, le: float | None = None) -> Any:
+    """A config field with a help text and optional numeric bounds (checked in `validate`)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("config defaults must be immutable; use a tuple instead of a list")
+    bounds = {"gt": gt, "ge": ge, "lt": lt, "le": le}
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
+
+
+def _check_bounds(name: str, value: Any, bounds: dict[str, float | None]) -> None:
+    if value is None:
+        return
+    values = value if isinstance(value, tuple) else (value,)
+    checks = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="),
+              "lt": (lambda v, b: v < b, "<"), "le": (lambda v, b: v <= b, "<=")}
+    for key, bound in bounds.items():
+        if bound is None:
+            continue
+        passes, symbol = checks[key]
+        for v in values:
+            if not passes(v, bound):
+                raise ValueError(f"{name} must be {symbol} {bound}, got {value!r}")
+
+
+def _split_optional(annotation: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); anything else -> (annotation, False)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported config type {annotation!r}")
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against `annotation`; return it in canonical form (int -> float, list -> tuple)."""
+    inner, optional = _split_optional(annotation)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{name} must not be None")
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        choices = typing.get_args(inner)
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is tuple:
+        item_type, ellipsis = typing.get_args(inner)
+        if ellipsis is not Ellipsis:
+            raise TypeError(f"unsupported config type {annotation!r} for {name}; use tuple[T, ...]")
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return tuple(_coerce(f"{name}[{i}]", v, item_type) for i, v in enumerate(value))
+    if inner is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool (true/false), got {value!r}")
+        return value
+    if inner is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        return value
+    if inner is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if inner is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {annotation!r} for {name}")
+
+
+def _argparse_kwargs(name: str, annotation: Any) -> dict[str, Any]:
+    """argparse keyword arguments that parse one field from the command line."""
+    inner, optional = _split_optional(annotation)
+    origin = typing.get_origin(inner)
+    if inner is bool and not optional:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is tuple:
+        item_type = typing.get_args(inner)[0]
+        return {"nargs": "+", "type": _scalar_parser(name, item_type, optional=False)}
+    kwargs: dict[str, Any] = {"type": _scalar_parser(name, inner, optional)}
+    if origin is Literal:
+        kwargs["metavar"] = "{" + ",".join(str(c) for c in typing.get_args(inner)) + "}"
+    return kwargs
+
+
+def _scalar_parser(name: str, annotation: Any, optional: bool):
+    if typing.get_origin(annotation) is Literal:
+        base = type(typing.get_args(annotation)[0])
+    else:
+        base = annotation
+
+    def parse(text: str) -> Any:
+        if optional and text.lower() in _NONE_WORDS:
+            return None
+        if base is bool:
+            if text.lower() not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"--{name} expects true or false, got {text!r}")
+            return text.lower() == "true"
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{name} expects {base.__name__}, got {text!r}") from None
+
+    parse.__name__ = getattr(base, "__name__", "value")
+    return parse
+
+
+@dataclasses.dataclass(kw_only=True)
+class ConfigBase:
+    """Base of every marlhf config: typed, bounded fields; YAML and CLI round trips."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Type- and bound-check every field. Subclasses add cross-field checks after super()."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+            _check_bounds(f.name, value, f.metadata.get("bounds", {}))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid options: {cls.field_names()}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any):
+        values = _read_yaml(path)
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    def save_yaml(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add `--config` and one `--<field>` flag per field (defaults are applied in from_arguments)."""
+        parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                            help="YAML file of option values; flags given on the command line override it")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "config":
+                raise TypeError("a config field may not be called 'config' (reserved for --config)")
+            help_text = f"{f.metadata.get('help', '')} (default: {_format_default(f.default)})"
+            parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, help=help_text,
+                                **_argparse_kwargs(f.name, hints[f.name]))
+
+    @classmethod
+    def from_arguments(cls, namespace: argparse.Namespace):
+        """Defaults < values from --config < flags given on the command line."""
+        values = _read_yaml(namespace.config) if namespace.config else {}
+        values.update({name: getattr(namespace, name) for name in cls.field_names() if hasattr(namespace, name)})
+        return cls.from_dict(values)
+
+    @classmethod
+    def parse_args(cls, argv: list[str] | None = None, prog: str | None = None):
+        parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+        cls.add_arguments(parser)
+        return cls.from_arguments(parser.parse_args(argv))
+
+
+def _format_default(value: Any) -> str:
+    if isinstance(value, tuple):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    with open(path) as handle:
+        values = yaml.safe_load(handle)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option: value, got {type(values).__name__}")
+    return values
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig(ConfigBase):
+    """Options shared by every job that writes to an output directory."""
+
+    output_dir: str = option("outputs/run", "directory for checkpoints, metrics.jsonl, config.yaml and the final model")
+    seed: int = option(1234, "random seed (python, numpy, torch, data order)")
+    report_to: Literal["jsonl", "tensorboard", "none"] = option(
+        "jsonl", "metrics sink: jsonl writes OUTPUT_DIR/metrics.jsonl; tensorboard writes it and TensorBoard events")
+    logging_steps: int = option(1, "log metrics every N optimizer steps", ge=1)
+    save_steps: int = option(500, "save a checkpoint every N optimizer steps (0: only the final model)", ge=0)
+    save_total_limit: int | None = option(2, "keep only the newest K checkpoints (none: keep all)", ge=1)
+    resume: str | None = option(
+        None, "resume from a checkpoint: 'latest' (newest checkpoint in output_dir) or a checkpoint path")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "Accelerate mixed precision mode")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainingConfig(RunConfig):
+    """Options shared by the gradient-based trainers (SFT, reward model, DPO, PPO)."""
+
+    model_name_or_path: str = option("google/gemma-2b", "Hugging Face model id or local path to start from")
+    dataset: str | None = option(None, "dataset id or local .jsonl/.parquet path (CLI; see marlhf.data.load_records)")
+    dataset_task: Literal["tldr", "hh", "webgpt", "apps"] | None = option(
+        None, "a local dataset file holds raw rows of this task's Hub schema (none: rows already in the stage schema)")
+    max_samples: int | None = option(None, "use at most N records of the dataset (none: all)", ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("float32", "dtype to load the model weights in")
+    gradient_checkpointing: bool = option(False, "trade compute for memory in the transformer blocks")
+    learning_rate: float = option(1e-5, "peak AdamW learning rate", gt=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = option(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = option(0.95, "AdamW beta2", ge=0, lt=1)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = option("cosine", "learning-rate schedule after warmup")
+    warmup_ratio: float = option(0.1, "fraction of the optimizer steps spent in linear warmup", ge=0, le=1)
+    max_grad_norm: float | None = option(1.0, "clip the gradient norm to this value (none: no clipping)", gt=0)
+    per_device_batch_size: int = option(8, "records per micro-batch on each process", ge=1)
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", ge=1)
+    num_epochs: float = option(1.0, "passes over the training records", gt=0)
+    max_steps: int | None = option(None, "stop after N optimizer steps (overrides num_epochs)", ge=1)
+    max_prompt_length: int = option(512, "prompts are truncated to their last N tokens", ge=1)
+    max_length: int = option(1024, "prompt + response tokens, responses are truncated to fit", ge=2)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be < max_length ({self.max_length})")

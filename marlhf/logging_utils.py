@@ -1,0 +1,99 @@
+"""Metrics logging: one JSON line per logged step in OUTPUT_DIR/metrics.jsonl, optionally TensorBoard.
+
+API:
+    logger = MetricsLogger(output_dir, report_to="jsonl", is_main_process=accelerator.is_main_process,
+                           resume_step=None)
+    logger.log({"loss": loss_tensor, "lr": 1e-5}, step=7)   # writes {"step": 7, "loss": ..., "lr": ...}
+    logger.close()                                        # also a context manager
+    read_metrics(output_dir) -> list[dict]                # the lines of metrics.jsonl
+    reduce_metrics(stats, accelerator) -> dict[str, float]  # mean of each scalar over processes
+
+Only the main process writes. A fresh run (resume_step=None) truncates metrics.jsonl; a resumed run keeps
+the lines with step <= resume_step and drops the rest, so after a crash and resume the file reads like one
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, report_to: Literal["jsonl", "tensorboard", "none"] = "jsonl",
+                 is_main_process: bool = True, resume_step: int | None = None) -> None:
+        if report_to not in ("jsonl", "tensorboard", "none"):
+            raise ValueError(f"report_to must be 'jsonl', 'tensorboard' or 'none', got {report_to!r}")
+        self.path = Path(output_dir) / METRICS_FILE
+        self._file = None
+        self._tensorboard = None
+        if not is_main_process or report_to == "none":
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept_lines = []
+        if resume_step is not None and self.path.exists():
+            kept_lines = [line for line in self.path.read_text().splitlines()
+                          if line.strip() and json.loads(line)["step"] <= resume_step]
+        self._file = open(self.path, "w")
+        self._file.writelines(line + "\n" for line in kept_lines)
+        self._file.flush()
+        if report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"),
+                                              purge_step=None if resume_step is None else resume_step + 1)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self._file is None:
+            return
+        values = {name: _to_float(name, value) for name, value in metrics.items()}
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                self._tensorboard.add_scalar(name, value, global_step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"metric {name!r} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, float]]:
+    path = Path(output_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reduce_metrics(stats: dict[str, Any], accelerator=None) -> dict[str, float]:
+    """Mean of each scalar metric over all processes (identity on one process)."""
+    if not stats:
+        return {}
+    names = list(stats)
+    values = torch.tensor([_to_float(name, stats[name]) for name in names], dtype=torch.float64)
+    if accelerator is not None and accelerator.num_processes > 1:
+        values = accelerator.reduce(values.to(accelerator.device), reduction="mean").cpu()
+    return dict(zip(names, values.tolist()))

@@ -1,0 +1,169 @@
+"""Model and tokenizer loading, a scalar-head model (reward model and critic), log-prob helpers.
+
+API:
+    load_tokenizer(name_or_path, padding_side="right") -> tokenizer   (pad token := eos token when missing)
+    load_causal_lm(name_or_path, dtype="float32", gradient_checkpointing=False) -> AutoModelForCausalLM
+    ScalarHeadModel.from_pretrained(name_or_path, dtype="float32", gradient_checkpointing=False)
+        backbone = AutoModel (a causal-LM checkpoint loads without its LM head) + Linear(hidden, 1)
+        model(input_ids, attention_mask) -> values [B, T] float32    (critic: one value per token)
+        model.score(input_ids, attention_mask) -> [B]                 (reward model: value at last real token)
+        model.save_pretrained(dir): backbone files + scalar_head.safetensors
+    pad_sequences(list of token-id lists, pad_token_id, padding_side) -> (input_ids [B, T], attention_mask [B, T] long)
+    position_ids_from_mask(attention_mask) -> [B, T]      (positions count real tokens only: left padding safe)
+    last_token_index(attention_mask) -> [B]                (last real token; any padding side)
+    token_logprobs(logits [B, T, V], tokens [B, T], temperature=1.0, chunk_size=8) -> [B, T] float32
+        log softmax(logits / temperature) at `tokens`, as gathered logit minus logsumexp, `chunk_size` rows at
+        a time, so no [B, T, V] log-softmax of the whole batch is ever materialised.
+    sequence_logprobs(model, input_ids, attention_mask, num_tokens=None, temperature=1.0, chunk_size=8) -> [B, N]
+        log-probs of the LAST num_tokens tokens of input_ids (default: every token after the first) under a
+        causal LM; only num_tokens + 1 logit rows are computed (logits_to_keep). Rollout/PPO: input_ids =
+        [left-padded prompt | right-padded response] and num_tokens = response length.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_tokenizer(name_or_path: str, padding_side: str = "right"):
+    """Right padding for training batches, left padding for generation."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path} has neither a pad token nor an eos token")
+        # Masks are built from lengths, never from `ids == pad`, so pad == eos is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def load_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32",
+                   gradient_checkpointing: bool = False) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_torch_dtype(dtype))
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+class ScalarHeadModel(nn.Module):
+    """Transformer backbone + linear head: one scalar per token.
+
+    The critic uses the per-token values [B, T]; the reward model uses `score`, the value at the last
+    real token of each row. The head stays in float32 whatever the backbone dtype.
+    """
+
+    HEAD_FILE = "scalar_head.safetensors"
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        hidden_size = backbone.config.get_text_config().hidden_size
+        self.head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.normal_(self.head.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32",
+                        gradient_checkpointing: bool = False) -> ScalarHeadModel:
+        """Backbone from any HF checkpoint; the head from scalar_head.safetensors if saved there, else fresh."""
+        model = cls(AutoModel.from_pretrained(name_or_path, dtype=_torch_dtype(dtype)))
+        head_file = Path(name_or_path) / cls.HEAD_FILE
+        if head_file.exists():
+            model.head.load_state_dict(load_file(str(head_file)))
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable()
+        return model
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        self.backbone.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
+                  str(Path(directory) / self.HEAD_FILE))
+
+    def activation_checkpointing_enable(self) -> None:
+        self.backbone.activation_checkpointing_enable()
+        self.backbone.config.use_cache = False
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        values = self(input_ids, attention_mask)
+        return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+def pad_sequences(sequences: list[list[int]], pad_token_id: int,
+                  padding_side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if not sequences or min(len(s) for s in sequences) == 0:
+        raise ValueError("pad_sequences needs at least one sequence and no empty sequence")
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        span = slice(0, len(sequence)) if padding_side == "right" else slice(length - len(sequence), length)
+        input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, span] = 1
+    return input_ids, attention_mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row, as generate() computes it."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    if not bool(attention_mask.bool().any(-1).all()):
+        raise ValueError("every row of attention_mask needs at least one real token")
+    length = attention_mask.shape[1]
+    return length - 1 - attention_mask.long().flip(-1).argmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int = 8) -> torch.Tensor:
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    pieces = []
+    for start in range(0, logits.shape[0], chunk_size):
+        chunk = logits[start:start + chunk_size].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, tokens[start:start + chunk_size].unsqueeze(-1)).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(pieces, dim=0)
+
+
+def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      num_tokens: int | None = None, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
+    length = input_ids.shape[1]
+    num_tokens = length - 1 if num_tokens is None else num_tokens
+    if not 1 <= num_tokens < length:
+        raise ValueError(f"num_tokens must be in [1, {length - 1}], got {num_tokens}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask),
+                   logits_to_keep=num_tokens + 1, use_cache=False).logits[:, :-1]
+    return token_logprobs(logits, input_ids[:, -num_tokens:], temperature, chunk_size)

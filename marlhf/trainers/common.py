@@ -1,0 +1,180 @@
+"""Pieces every trainer loop shares: run setup, data order, tokenisation, optimiser and schedule.
+
+API:
+    accelerator = make_accelerator(config)                  # Accelerator + seeded python/numpy/torch RNGs
+    records = records_from_config(config, stage)            # marlhf.data.load_records(config.dataset, ...)
+    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+        # writes config.yaml, resumes from config.resume (restoring models/optimizers/schedulers/RNG),
+        # opens the MetricsLogger; start_step = optimizer steps already done. ValueError when output_dir
+        # already holds checkpoints and resume is not set.
+    plan = BatchPlan(num_records, config, accelerator)      # deterministic order: epoch e shuffled by seed + e
+    plan.total_steps; plan.epoch_at(step); plan.micro_batches(step) -> this process's index lists
+    optimizer = make_optimizer(model, config); scheduler = make_scheduler(optimizer, config, plan.total_steps)
+    maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
+    save_final_model(model, tokenizer, directory, accelerator)
+    encode_prompt_response(tokenizer, prompt, response, max_prompt_length, max_length) -> (token ids, prompt length)
+    collate_prompt_response(examples, pad_token_id, device) -> {"input_ids", "attention_mask", "response_mask"}
+    require_fields(records, ("prompt", "response"), "sft")   # ValueError naming the record and field
+    accumulation_context(accelerator, model, is_last_micro_batch); clip_gradients(accelerator, model, max_norm) -> norm
+
+A step is one optimizer step over per_device_batch_size x gradient_accumulation_steps x num_processes
+records. The record order depends only on (seed, epoch), so a resumed run sees exactly the batches the
+uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_scheduler
+
+from marlhf.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from marlhf.config import RunConfig, TrainingConfig
+from marlhf.logging_utils import MetricsLogger
+from marlhf.modeling import pad_sequences
+
+
+def make_accelerator(config: RunConfig) -> Accelerator:
+    # cpu=True on machines without an accelerator lets `accelerate launch`/torchrun run multi-process on CPU.
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.accelerator.is_available())
+    set_seed(config.seed)
+    return accelerator
+
+
+def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, Any]]:
+    if config.dataset is None:
+        raise ValueError("dataset is required when no records are passed in")
+    from marlhf.data import load_records  # imported here: the trainers' Python API works without it
+
+    return load_records(config.dataset, stage, task=config.dataset_task, seed=config.seed,
+                        max_samples=config.max_samples)
+
+
+def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, torch.nn.Module],
+              optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any]) -> tuple[int, MetricsLogger]:
+    """Save config.yaml, resume if asked, open the metrics logger. Call after accelerator.prepare."""
+    output_dir = Path(config.output_dir)
+    checkpoint = resolve_resume(config.resume, output_dir)
+    if checkpoint is None and list_checkpoints(output_dir):
+        # A fresh run would mix its checkpoints with the old ones (and keep-last-K could delete the new ones).
+        raise ValueError(f"output_dir {output_dir} already holds checkpoints: set resume ('latest' or a path) "
+                         "or choose another output_dir")
+    if accelerator.is_main_process:
+        config.save_yaml(output_dir / "config.yaml")
+    start_step = 0
+    if checkpoint is not None:
+        start_step = load_checkpoint(checkpoint, models, optimizers, schedulers, accelerator)["step"]
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    logger = MetricsLogger(output_dir, config.report_to, accelerator.is_main_process,
+                           resume_step=start_step if checkpoint is not None else None)
+    return start_step, logger
+
+
+def maybe_save_checkpoint(config: RunConfig, step: int, accelerator: Accelerator,
+                          models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer],
+                          schedulers: dict[str, Any], tokenizer=None) -> None:
+    """Checkpoint after optimizer step `step` (1-based count of steps done) when save_steps says so."""
+    if config.save_steps and step % config.save_steps == 0:
+        save_checkpoint(config.output_dir, step, models, optimizers, schedulers, tokenizer=tokenizer,
+                        save_total_limit=config.save_total_limit, accelerator=accelerator)
+
+
+def save_final_model(model: torch.nn.Module, tokenizer, directory: str | Path, accelerator: Accelerator) -> None:
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    accelerator.wait_for_everyone()
+
+
+class BatchPlan:
+    """Which records each process uses at each optimizer step."""
+
+    def __init__(self, num_records: int, config: TrainingConfig, accelerator: Accelerator) -> None:
+        self.num_records = num_records
+        self.seed = config.seed
+        self.micro_batch_size = config.per_device_batch_size
+        self.accumulation = config.gradient_accumulation_steps
+        self.process_index = accelerator.process_index
+        self.num_processes = accelerator.num_processes
+        self.records_per_step = self.micro_batch_size * self.accumulation * self.num_processes
+        self.steps_per_epoch = num_records // self.records_per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{num_records} records are fewer than one optimizer step needs "
+                             f"({self.records_per_step} = per_device_batch_size x gradient_accumulation_steps "
+                             "x processes)")
+        self.total_steps = config.max_steps or math.ceil(config.num_epochs * self.steps_per_epoch)
+
+    def epoch_at(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(self.num_records, generator=torch.Generator().manual_seed(self.seed + epoch))
+        start = step_in_epoch * self.records_per_step
+        batches = []
+        for micro in range(self.accumulation):
+            offset = start + (micro * self.num_processes + self.process_index) * self.micro_batch_size
+            batches.append(order[offset:offset + self.micro_batch_size].tolist())
+        return batches
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.AdamW:
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
+                             betas=(config.adam_beta1, config.adam_beta2))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, total_steps: int):
+    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
+                         num_training_steps=total_steps)
+
+
+def encode_prompt_response(tokenizer, prompt: str, response: str, max_prompt_length: int,
+                           max_length: int) -> tuple[list[int], int]:
+    """Token ids of prompt + response + EOS and the prompt's length in tokens.
+
+    The prompt keeps its LAST max_prompt_length tokens (the instruction usually ends it); the response
+    is cut to fit max_length.
+    """
+    prompt_ids = tokenizer(prompt)["input_ids"][-max_prompt_length:]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    response_ids = response_ids[:max_length - len(prompt_ids)]
+    return prompt_ids + response_ids, len(prompt_ids)
+
+
+def collate_prompt_response(examples: list[tuple[list[int], int]], pad_token_id: int,
+                            device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded batch of encode_prompt_response outputs; response_mask (bool) marks response tokens."""
+    input_ids, attention_mask = pad_sequences([ids for ids, _ in examples], pad_token_id, "right")
+    prompt_lengths = torch.tensor([prompt_length for _, prompt_length in examples])
+    positions = torch.arange(input_ids.shape[1])
+    response_mask = attention_mask.bool() & (positions[None, :] >= prompt_lengths[:, None])
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+            "response_mask": response_mask.to(device)}
+
+
+def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], stage: str) -> None:
+    if not records:
+        raise ValueError(f"no {stage} records")
+    for index, record in enumerate(records):
+        missing = [name for name in fields if not isinstance(record.get(name), str)]
+        if missing:
+            raise ValueError(f"{stage} record {index} lacks string field(s) {missing}; "
+                             f"{stage} records need {list(fields)}")
+
+
+def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_last_micro_batch: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
+    return contextlib.nullcontext() if is_last_micro_batch else accelerator.no_sync(model)
+
+
+def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:
+    """Clip (when max_grad_norm is set) and return the total gradient norm before clipping."""
+    return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)

@@ -1,0 +1,99 @@
+"""Direct Preference Optimization on {"prompt", "chosen", "rejected"} records against a frozen reference.
+
+    model = train_dpo(DPOConfig(model_name_or_path=..., output_dir=...), records)
+The reference is ref_model_name_or_path (default: the starting policy itself), loaded once and frozen;
+without a path and with a `model` passed in, the reference is a frozen copy of that model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from marlhf.config import TrainingConfig, option
+from marlhf.logging_utils import reduce_metrics
+from marlhf.losses import dpo_loss
+from marlhf.modeling import load_causal_lm, load_tokenizer, sequence_logprobs
+from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, make_accelerator, make_optimizer,
+                                    make_scheduler, maybe_save_checkpoint, records_from_config, require_fields,
+                                    save_final_model, start_run)
+from marlhf.trainers.reward import PAIR_FIELDS, collate_pairs, encode_pairs
+
+
+@dataclasses.dataclass(kw_only=True)
+class DPOConfig(TrainingConfig):
+    """DPO of a causal LM on preference pairs against a frozen reference model."""
+
+    output_dir: str = option("outputs/dpo", "directory for checkpoints, metrics.jsonl, config.yaml and the final model")
+    learning_rate: float = option(1e-6, "peak AdamW learning rate", gt=0)
+    beta: float = option(0.1, "DPO inverse temperature on the implicit reward", gt=0)
+    label_smoothing: float = option(0.0, "conservative DPO: assumed probability that a label is flipped", ge=0, lt=0.5)
+    ref_model_name_or_path: str | None = option(None, "frozen reference model (none: the starting policy)")
+
+
+def response_logprob_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed log-probs of the response tokens of each row [2B] (chosen rows first, then rejected)."""
+    logprobs = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"])  # tokens 1..T-1
+    return (logprobs * batch["response_mask"][:, 1:]).sum(-1)
+
+
+def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, model=None, ref_model=None,
+              tokenizer=None):
+    """Train `model` (default: loaded from config.model_name_or_path) with DPO and return it unwrapped."""
+    accelerator = make_accelerator(config)
+    records = records if records is not None else records_from_config(config, "rm")
+    require_fields(records, PAIR_FIELDS, "dpo")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
+    if model is None:
+        model = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    if ref_model is None:
+        ref_model = (load_causal_lm(config.ref_model_name_or_path, config.dtype) if config.ref_model_name_or_path
+                     else copy.deepcopy(model))
+    ref_model.requires_grad_(False).eval().to(accelerator.device)
+    pairs = encode_pairs(tokenizer, records, config)
+
+    plan = BatchPlan(len(pairs), config, accelerator)
+    optimizer = make_optimizer(model, config)
+    scheduler = make_scheduler(optimizer, config, plan.total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
+    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+
+    model.train()
+    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="dpo",
+                    disable=not accelerator.is_local_main_process)
+    for step in progress:
+        micro_batches = plan.micro_batches(step)
+        step_stats = []
+        for index, indices in enumerate(micro_batches):
+            batch = collate_pairs([pairs[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
+            with torch.no_grad(), accelerator.autocast():
+                ref_chosen, ref_rejected = response_logprob_sums(ref_model, batch).chunk(2)
+            with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
+                policy_chosen, policy_rejected = response_logprob_sums(model, batch).chunk(2)
+                loss, stats = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
+                                       beta=config.beta, label_smoothing=config.label_smoothing)
+                accelerator.backward(loss / len(micro_batches))
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm = clip_gradients(accelerator, model, config.max_grad_norm)
+        learning_rate = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        done = step + 1
+        if done % config.logging_steps == 0 or done == plan.total_steps:
+            means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
+            metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
+            metrics.update(learning_rate=learning_rate, epoch=plan.epoch_at(done))
+            logger.log(metrics, done)
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
+
+    logger.close()
+    save_final_model(model, tokenizer, config.output_dir, accelerator)
+    return accelerator.unwrap_model(model)

@@ -1,0 +1,76 @@
+"""Shared tiny-model fixtures: everything is built offline from configs, nothing is downloaded.
+
+    tiny_tokenizer          byte-level BPE (vocab ~300) with <pad>, <s>, </s>; round-trips any text
+    tiny_model_dir          directory with a tiny Llama causal LM + tokenizer: from_pretrained(path) works
+    make_tiny_causal_lm()   a fresh tiny LlamaForCausalLM (seeded) matching tiny_tokenizer
+    tiny_records            small in-memory records for the "sft", "rm" stages
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "POST\nSubreddit: r/test\nMy cat sleeps all day and I wonder why.\nTL;DR: ",
+    "Human: How do I bake bread?\n\nAssistant: Mix flour, water, salt and yeast, then bake it.",
+    "def add(a, b):\n    return a + b\n",
+    "A short summary. A long and winding answer that keeps going.",
+]
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def build_tiny_causal_lm(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def make_tiny_causal_lm(tiny_tokenizer):
+    def make(seed: int = 0) -> LlamaForCausalLM:
+        return build_tiny_causal_lm(tiny_tokenizer, seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    build_tiny_causal_lm(tiny_tokenizer).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_records():
+    sft = [{"prompt": f"Human: count to {i}\n\nAssistant:", "response": " " + " ".join(str(j) for j in range(i + 1))}
+           for i in range(8)]
+    rm = [{"prompt": f"Human: say something about {topic}\n\nAssistant:",
+           "chosen": f" {topic} is a fine thing, thank you.", "rejected": " no."}
+          for topic in ("cats", "dogs", "bread", "rain", "code", "tea", "maps", "boats", "songs", "trees")]
+    return {"sft": sft, "rm": rm}

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlhf import cli
+from marlhf.logging_utils import read_metrics
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("command", ["sft", "reward", "dpo", "ppo"])
+def test_help_lists_every_option_with_its_default(command, capsys):
+    module_name, config_name, _, _ = cli.COMMANDS[command]
+    config_class = getattr(pytest.importorskip(module_name), config_name)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    assert "--config" in text
+    for field in dataclasses.fields(config_class):
+        assert f"--{field.name}" in text, field.name
+        default = " ".join(map(str, field.default)) if isinstance(field.default, tuple) else str(field.default)
+        assert f"(default: {default})" in text, field.name
+
+
+def test_bad_option_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["dpo", "--beta", "0"])
+    assert exit_info.value.code == 2
+    assert "beta must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["sft", "--no_such_option", "1"])
+    with pytest.raises(SystemExit):
+        cli.main([])
+
+
+def test_sft_from_yaml_and_flags_end_to_end(tmp_path, tiny_model_dir, tiny_records):
+    dataset = tmp_path / "sft.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    config_file = tmp_path / "sft.yaml"
+    config_file.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset": str(dataset),
+                                           "max_steps": 50, "per_device_batch_size": 4, "max_prompt_length": 32,
+                                           "max_length": 64, "save_steps": 0}))
+    output_dir = tmp_path / "run"
+    assert cli.main(["sft", "--config", str(config_file), "--max_steps", "2", "--output_dir", str(output_dir)]) == 0
+    assert [m["step"] for m in read_metrics(output_dir)] == [1, 2]  # the flag overrode the file
+    saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    assert saved["max_steps"] == 2 and saved["dataset"] == str(dataset)
+    assert (output_dir / "model.safetensors").exists()
+
+
+def test_python_dash_m_marlhf():
+    result = subprocess.run([sys.executable, "-m", "marlhf", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert all(command in result.stdout for command in ("sft", "reward", "dpo", "ppo"))

@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from marlhf.checkpoint import list_checkpoints
+from marlhf.logging_utils import read_metrics
+from marlhf.trainers.common import encode_prompt_response
+from marlhf.trainers.sft import IGNORE_INDEX, SFTConfig, collate_sft, train_sft
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "sft"), learning_rate=1e-2, per_device_batch_size=4, max_steps=8,
+                  warmup_ratio=0.25, save_steps=0, max_prompt_length=32, max_length=64, seed=3)
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def _fixed_batch_loss(model, tokenizer, records):
+    examples = [encode_prompt_response(tokenizer, r["prompt"], r["response"], 32, 64) for r in records]
+    with torch.no_grad():
+        return model(**collate_sft(examples, tokenizer.pad_token_id, torch.device("cpu"))).loss.item()
+
+
+def test_labels_cover_response_only(tiny_tokenizer):
+    ids, prompt_length = encode_prompt_response(tiny_tokenizer, "a prompt that is long", " reply", 3, 64)
+    assert prompt_length == 3 and ids[-1] == tiny_tokenizer.eos_token_id
+    batch = collate_sft([(ids, prompt_length), ([5, 6, 7], 1)], tiny_tokenizer.pad_token_id, torch.device("cpu"))
+    labels = batch["labels"]
+    assert (labels[0, :3] == IGNORE_INDEX).all() and (labels[0, 3:] == batch["input_ids"][0, 3:]).all()
+    assert labels[1].tolist()[:3] == [IGNORE_INDEX, 6, 7] and (labels[1, 3:] == IGNORE_INDEX).all()
+
+
+def test_sft_loss_goes_down(tmp_path, make_tiny_causal_lm, tiny_tokenizer, tiny_records):
+    model = make_tiny_causal_lm()
+    before = _fixed_batch_loss(model, tiny_tokenizer, tiny_records["sft"])
+    trained = train_sft(_config(tmp_path), tiny_records["sft"], model=model, tokenizer=tiny_tokenizer)
+    after = _fixed_batch_loss(trained, tiny_tokenizer, tiny_records["sft"])
+    assert after < before - 0.5
+    metrics = read_metrics(tmp_path / "sft")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert {"loss", "grad_norm", "learning_rate", "epoch"} <= set(metrics[0])
+    assert metrics[-1]["epoch"] == 4.0
+    assert (tmp_path / "sft" / "model.safetensors").exists() and (tmp_path / "sft" / "config.yaml").exists()
+
+
+def test_sft_rejects_bad_records(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    with pytest.raises(ValueError, match="response"):
+        train_sft(_config(tmp_path), [{"prompt": "hi"}], model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        train_sft(_config(tmp_path), [{"prompt": "hi", "response": "yo"}], model=make_tiny_causal_lm(),
+                  tokenizer=tiny_tokenizer)
+
+
+_KILLED_RUN = """
+import json, os, signal, sys
+from marlhf.logging_utils import MetricsLogger
+from marlhf.trainers.sft import SFTConfig, train_sft
+
+config_path, records_path, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+log = MetricsLogger.log
+
+def log_then_die(self, metrics, step):
+    log(self, metrics, step)
+    if step == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+MetricsLogger.log = log_then_die
+train_sft(SFTConfig.from_yaml(config_path), json.load(open(records_path)))
+"""
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, tiny_records):
+    common = dict(model_name_or_path=str(tiny_model_dir), save_steps=2, save_total_limit=2,
+                  gradient_accumulation_steps=2, per_device_batch_size=2)
+    train_sft(_config(tmp_path, output_dir=str(tmp_path / "straight"), **common), tiny_records["sft"])
+
+    crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
+    crashed.save_yaml(tmp_path / "crashed.yaml")
+    (tmp_path / "records.json").write_text(json.dumps(tiny_records["sft"]))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "crashed.yaml"),
+                            str(tmp_path / "records.json"), "5"], env=env, cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == -9, child.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == ["checkpoint-2", "checkpoint-4"]
+    assert read_metrics(tmp_path / "crashed")[-1]["step"] == 5
+
+    resumed = dataclasses.replace(crashed, resume="latest")
+    train_sft(resumed, tiny_records["sft"])
+    straight, after_resume = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "crashed")
+    assert [m["step"] for m in after_resume] == list(range(1, 9))
+    assert after_resume == straight  # bit-exact: same batches, weights, optimizer and scheduler states
+    weights_straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    weights_resumed = load_file(str(tmp_path / "crashed" / "model.safetensors"))
+    assert all(torch.equal(weights_straight[k], weights_resumed[k]) for k in weights_straight)
+
+
+_TWO_PROCESS_RUN = """
+import json, os, sys
+from marlhf.logging_utils import read_metrics
+from marlhf.trainers.sft import SFTConfig, train_sft
+
+config_path, records_path = sys.argv[1], sys.argv[2]
+records = json.load(open(records_path))
+config = SFTConfig.from_yaml(config_path)
+train_sft(config, records)
+straight = read_metrics(config.output_dir)
+train_sft(SFTConfig.from_yaml(config_path, resume=config.output_dir + "/checkpoint-2"), records)
+if int(os.environ["RANK"]) == 0:
+    print("RESULT", json.dumps({"straight": straight, "resumed": read_metrics(config.output_dir),
+                                "files": sorted(os.listdir(config.output_dir + "/checkpoint-4"))}))
+"""
+
+
+def test_two_process_run_shards_batches_and_resumes_exactly(tmp_path, tiny_model_dir, tiny_records):
+    config = _config(tmp_path, model_name_or_path=str(tiny_model_dir), max_steps=4, save_steps=2,
+                     per_device_batch_size=2, gradient_accumulation_steps=1)
+    config.save_yaml(tmp_path / "config.yaml")
+    (tmp_path / "records.json").write_text(json.dumps(tiny_records["sft"]))
+    (tmp_path / "run.py").write_text(_TWO_PROCESS_RUN)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(tmp_path / "run.py"), str(tmp_path / "config.yaml"),
+                            str(tmp_path / "records.json")], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=240)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.split("RESULT ", 1)[1])
+    assert result["resumed"] == result["straight"] and [m["step"] for m in result["straight"]] == [1, 2, 3, 4]
+    assert result["straight"][-1]["epoch"] == 2.0  # 8 records, 2 per process and step: 2 steps per epoch
+    assert {"rng_state.0.json", "rng_state.1.json", "optimizer.model.json"} <= set(result["files"])
+
+
+def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, make_tiny_causal_lm, tiny_tokenizer, tiny_records):
+    (tmp_path / "sft" / "checkpoint-3").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train_sft(_config(tmp_path), tiny_records["sft"], model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
