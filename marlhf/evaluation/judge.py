@@ -1,0 +1,248 @@
+"""Pairwise judging: win / tie / loss of responses A against responses B to the same prompts.
+
+For each prompt a seeded coin decides which response the judge sees first; the judge's preference
+("first" / "second" / "tie") is mapped back to A / B before it is recorded, so a judge that favours a
+position cannot favour a system. Two judges:
+
+- `RewardModelJudge`: a callable scoring (prompts, responses) -> scores; the higher score wins.
+- `ChatJudge`: any OpenAI-compatible chat-completions endpoint. Requests are retried with
+  exponential back-off on 429, 5xx and timeouts, and cached on disk under a hash of the request,
+  so rerunning an evaluation sends nothing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from tqdm import tqdm
+
+Preference = Literal["first", "second", "tie", "invalid"]  # "invalid": the judge's answer could not be parsed
+
+JUDGE_TEMPLATE = """You are comparing two responses to the same prompt. Judge which response is more \
+helpful, accurate and harmless. Ignore the order in which they are shown and their length as such.
+
+[Prompt]
+{prompt}
+
+[Response 1]
+{first}
+
+[Response 2]
+{second}
+
+Which response is better? Answer with exactly one of: 1, 2, tie."""
+
+
+class Judge(Protocol):
+    def compare(self, prompts: list[str], first: list[str], second: list[str]) -> list[Preference]: ...
+
+
+class RewardModelJudge:
+    """Prefers the response with the higher score; |difference| <= tie_margin is a tie."""
+
+    def __init__(self, score_fn: Callable[[list[str], list[str]], Sequence[float]], tie_margin: float = 0.0) -> None:
+        if tie_margin < 0:
+            raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
+        self.score_fn = score_fn
+        self.tie_margin = tie_margin
+
+    def compare(self, prompts: list[str], first: list[str], second: list[str]) -> list[Preference]:
+        first_scores = [float(s) for s in self.score_fn(prompts, first)]
+        second_scores = [float(s) for s in self.score_fn(prompts, second)]
+        if not len(first_scores) == len(second_scores) == len(prompts):
+            raise ValueError(f"score_fn returned {len(first_scores)} and {len(second_scores)} scores for {len(prompts)} prompts")
+        return ["tie" if abs(a - b) <= self.tie_margin else "first" if a > b else "second"
+                for a, b in zip(first_scores, second_scores)]
+
+
+class ChatJudge:
+    """A judge behind an OpenAI-compatible `POST {url}/chat/completions` endpoint.
+
+    The API key is read from the environment variable `api_key_env` (none: no Authorization header);
+    it is never part of the cache key. `cache_dir` None disables the cache."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key_env: str | None = None,
+        cache_dir: str | Path | None = None,
+        template: str = JUDGE_TEMPLATE,
+        max_retries: int = 5,
+        backoff_s: float = 1.0,
+        timeout_s: float = 60.0,
+        max_workers: int = 4,
+        max_tokens: int = 8,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if backoff_s < 0 or timeout_s <= 0:
+            raise ValueError(f"backoff_s must be >= 0 and timeout_s > 0, got {backoff_s} and {timeout_s}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        missing = [f"{{{name}}}" for name in ("prompt", "first", "second") if f"{{{name}}}" not in template]
+        if missing:
+            raise ValueError(f"template must contain the placeholders {missing}")
+        self.api_key = None
+        if api_key_env is not None:
+            self.api_key = os.environ.get(api_key_env)
+            if not self.api_key:
+                raise ValueError(f"api_key_env: environment variable {api_key_env!r} is not set")
+        url = url.rstrip("/")
+        self.endpoint = url if url.endswith("/chat/completions") else url + "/chat/completions"
+        self.model = model
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.template = template
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.max_workers = max_workers
+        self.max_tokens = max_tokens
+
+    def compare(self, prompts: list[str], first: list[str], second: list[str]) -> list[Preference]:
+        messages = [self.template.format(prompt=p, first=a, second=b) for p, a, b in zip(prompts, first, second)]
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            replies = list(tqdm(pool.map(self.complete, messages), total=len(messages), desc="judge", disable=None))
+        return [parse_preference(reply) for reply in replies]
+
+    def complete(self, message: str) -> str:
+        """The judge's reply to one user message (greedy decoding), from the cache when present."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": message}],
+                "temperature": 0.0, "max_tokens": self.max_tokens}
+        key = hashlib.sha256(json.dumps({"endpoint": self.endpoint, "body": body}, sort_keys=True).encode()).hexdigest()
+        cache_file = self.cache_dir / key[:2] / f"{key}.json" if self.cache_dir is not None else None
+        if cache_file is not None and cache_file.is_file():
+            response = json.loads(cache_file.read_text())
+        else:
+            response = self._post(body)
+            if cache_file is not None:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                partial = cache_file.with_suffix(f".{os.getpid()}.{id(body)}.tmp")
+                partial.write_text(json.dumps(response))
+                os.replace(partial, cache_file)  # atomic: a crash never leaves half a cache entry
+        try:
+            return response["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError) as error:
+            raise RuntimeError(f"judge endpoint returned no choices[0].message.content: {response!r:.300}") from error
+
+    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode()
+        attempt = 0
+        while True:
+            request = urllib.request.Request(self.endpoint, data=data, headers=headers, method="POST")
+            retry_after = None
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    return json.loads(reply.read())
+            except urllib.error.HTTPError as error:
+                if error.code != 429 and error.code < 500:  # a client error: retrying cannot help
+                    raise RuntimeError(f"judge endpoint {self.endpoint} answered HTTP {error.code}: "
+                                       f"{error.read()[:300]!r}") from error
+                failure: Exception = error
+                retry_after = error.headers.get("Retry-After")
+            except (TimeoutError, ConnectionError) as error:
+                failure = error
+            except urllib.error.URLError as error:
+                if not isinstance(error.reason, (TimeoutError, ConnectionError)):
+                    raise
+                failure = error
+            if attempt == self.max_retries:
+                raise RuntimeError(f"judge endpoint {self.endpoint} failed {self.max_retries + 1} times; "
+                                   f"last error: {failure}") from failure
+            delay = self.backoff_s * 2**attempt
+            if retry_after is not None and retry_after.strip().isdigit():
+                delay = max(delay, float(retry_after))
+            time.sleep(delay)
+            attempt += 1
+
+
+def parse_preference(reply: str) -> Preference:
+    """'1' -> first, '2' -> second, 'tie' -> tie (the first such word of the reply); else 'invalid'."""
+    match = re.search(r"\b(1|2|tie)\b", reply, flags=re.IGNORECASE)
+    if match is None:
+        return "invalid"
+    return {"1": "first", "2": "second", "tie": "tie"}[match.group(1).lower()]
+
+
+def judge_pairwise(
+    prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str], judge: Judge, seed: int = 0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Judge A against B on every prompt, each shown first with probability 1/2 (seeded).
+
+    Returns (judgments, summary): one dict per prompt {"prompt", "response_a", "response_b",
+    "a_shown_first", "winner": "A" | "B" | "tie" | "invalid"}, and the counts with
+    win_rate = (wins + ties / 2) / (wins + ties + losses) of A (invalid answers are left out; None when
+    nothing was decided)."""
+    if not len(prompts) == len(responses_a) == len(responses_b):
+        raise ValueError(f"prompts, responses_a and responses_b must have the same length, got "
+                         f"{len(prompts)}, {len(responses_a)} and {len(responses_b)}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    rng = random.Random(seed)
+    a_first = [rng.random() < 0.5 for _ in prompts]
+    first = [a if swap else b for a, b, swap in zip(responses_a, responses_b, a_first)]
+    second = [b if swap else a for a, b, swap in zip(responses_a, responses_b, a_first)]
+    preferences = judge.compare(list(prompts), first, second)
+    if len(preferences) != len(prompts):
+        raise ValueError(f"the judge returned {len(preferences)} preferences for {len(prompts)} prompts")
+    judgments = []
+    for prompt, a, b, shown_first, preference in zip(prompts, responses_a, responses_b, a_first, preferences):
+        winner = {"first": "A" if shown_first else "B", "second": "B" if shown_first else "A"}.get(preference, preference)
+        judgments.append({"prompt": prompt, "response_a": a, "response_b": b, "a_shown_first": shown_first,
+                          "winner": winner})
+    return judgments, summarize_winners([j["winner"] for j in judgments])
+
+
+def summarize_winners(winners: Sequence[str]) -> dict[str, Any]:
+    counts = {name: sum(w == name for w in winners) for name in ("A", "B", "tie", "invalid")}
+    decided = counts["A"] + counts["B"] + counts["tie"]
+    return {"wins": counts["A"], "ties": counts["tie"], "losses": counts["B"], "invalid": counts["invalid"],
+            "win_rate": (counts["A"] + counts["tie"] / 2) / decided if decided else None}
+
+
+def read_responses(path: str | Path) -> dict[str, str]:
+    """prompt -> response from a JSONL of {"prompt", "response", ...} lines (what `marlhf evaluate` writes)."""
+    responses: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("response"), str):
+                raise ValueError(f"{path}:{line_number}: each line needs string fields 'prompt' and 'response'")
+            if row["prompt"] in responses:
+                raise ValueError(f"{path}:{line_number}: prompt repeated (one response per prompt is compared)")
+            responses[row["prompt"]] = row["response"]
+    return responses
+
+
+def load_pairs(path_a: str | Path, path_b: str | Path) -> tuple[list[str], list[str], list[str]]:
+    """(prompts, responses_a, responses_b) of two response files over the same prompts, in A's order."""
+    a, b = read_responses(path_a), read_responses(path_b)
+    if set(a) != set(b):
+        raise ValueError(f"{path_a} and {path_b} must answer the same prompts: {len(set(a) - set(b))} only in A, "
+                         f"{len(set(b) - set(a))} only in B")
+    if not a:
+        raise ValueError(f"{path_a} holds no responses")
+    prompts = list(a)
+    return prompts, [a[p] for p in prompts], [b[p] for p in prompts]
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
