@@ -18,17 +18,26 @@ API:
         log-probs of the LAST num_tokens tokens of input_ids (default: every token after the first) under a
         causal LM; only num_tokens + 1 logit rows are computed (logits_to_keep). Rollout/PPO: input_ids =
         [left-padded prompt | right-padded response] and num_tokens = response length.
+    add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=LLAMA_ATTENTION) -> model with LoRA adapters
+        (peft): a causal LM becomes a peft.PeftModel; a ScalarHeadModel keeps its class, its backbone gets the
+        adapters and its head stays fully trainable. Only adapter (and head) parameters require grad.
+    AdaptersDisabled(peft_model)(**forward kwargs): the base model's forward (adapters switched off) without a
+        second copy of the weights: PPO's frozen reference when the policy trains LoRA adapters.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # Llama / Gemma / Mistral / Qwen module names
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -167,3 +176,35 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                    position_ids=position_ids_from_mask(attention_mask),
                    logits_to_keep=num_tokens + 1, use_cache=False).logits[:, :-1]
     return token_logprobs(logits, input_ids[:, -num_tokens:], temperature, chunk_size)
+
+
+def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+             target_modules: tuple[str, ...] = LLAMA_ATTENTION) -> nn.Module:
+    """Freeze `model` and add trainable LoRA adapters (scale alpha / r) to the linear layers whose names
+    end with one of `target_modules`. A ScalarHeadModel's value head stays trainable (it is new)."""
+    from peft import LoraConfig, get_peft_model  # optional dependency: only LoRA runs need it
+
+    if r < 1:
+        raise ValueError(f"lora r must be >= 1, got {r}")
+    if not target_modules:
+        raise ValueError("lora target_modules must name at least one module")
+    lora_config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
+    if isinstance(model, ScalarHeadModel):
+        model.backbone = get_peft_model(model.backbone, LoraConfig(**lora_config))
+        model.head.requires_grad_(True)
+        return model
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora_config))
+
+
+class AdaptersDisabled:
+    """Calls a peft model with its adapters switched off. Deliberately not an nn.Module: it must not
+    register the policy as a submodule (freezing or moving the reference would touch the policy)."""
+
+    def __init__(self, peft_model: nn.Module) -> None:
+        if not hasattr(peft_model, "disable_adapter"):
+            raise ValueError(f"AdaptersDisabled needs a peft model, got {type(peft_model).__name__}")
+        self.peft_model = peft_model
+
+    def __call__(self, **kwargs) -> Any:
+        with self.peft_model.disable_adapter():
+            return self.peft_model(**kwargs)

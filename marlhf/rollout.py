@@ -1,0 +1,202 @@
+"""Rollouts for PPO: sample responses to a batch of prompts, then score them.
+
+Layout of one batch (B rows): the prompts are left-padded `[B, P]` and the sampled responses are
+right-padded `[B, T]`, so `cat([query, response], 1)` puts every prompt's last token at column
+P - 1 and every response's first token at column P. A response keeps its EOS token; tokens after
+the first EOS are padding (mask False). All per-token outputs are `[B, T]` over response tokens,
+0 on padding, aligned so that position t describes the action "emit response token t":
+log-probs of token t and the critic's value of the state just before it.
+
+Sampling is greedy decoding of temperature / top-k / top-p scores plus Gumbel noise from one generator per
+row (`row_seeds`), so a response depends on its prompt and seed only, not on the rest of the batch.
+
+Call these with the models in eval mode: PPO's ratio compares the rollout's log-probs with a later
+forward pass of the same weights, which dropout would perturb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
+
+from marlhf.modeling import ScalarHeadModel, sequence_logprobs
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+@dataclass
+class Rollout:
+    query_ids: torch.Tensor  # [B, P] long, left-padded
+    query_mask: torch.Tensor  # [B, P] bool
+    response_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
+    response_mask: torch.Tensor  # [B, T] bool, True on response tokens (EOS included)
+    logprobs: torch.Tensor  # [B, T] policy log-probs of the sampled tokens
+    ref_logprobs: torch.Tensor  # [B, T] frozen reference log-probs of the same tokens
+    values: torch.Tensor | None  # [B, T] critic values before each token; None without a critic
+    scores: torch.Tensor  # [B] reward of each full response (reward model or reward function)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """True up to and including the first EOS of each row (the whole row when there is none)."""
+    eos_ids = torch.as_tensor(eos_token_id, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, eos_ids).long()
+    eos_before = is_eos.cumsum(1) - is_eos  # number of EOS strictly before each position
+    return eos_before == 0
+
+
+class RowGumbelNoise(LogitsProcessor):
+    """Adds Gumbel noise drawn from one generator per row. Greedy decoding of the result samples from
+    softmax(scores) (the Gumbel-max trick), and each row's draws depend only on its own generator, not on
+    the other rows of the batch: the same seed gives the same response in any batch, on any process."""
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise ValueError(f"{scores.shape[0]} rows but {len(self.generators)} generators")
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
+                               for g in self.generators])
+        return scores - torch.log(-torch.log(uniform))  # uniform = 0 gives -inf: that token is never drawn
+
+
+@torch.no_grad()
+def generate_responses(
+    policy: nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int,
+    row_seeds: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
+    `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns `(response_ids, response_mask)`, `[B, T]` with T <= max_new_tokens, padding filled
+    with `pad_token_id`. Sampling settings not given here (e.g. a repetition penalty) come from
+    `policy.generation_config`."""
+    if max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
+    if row_seeds is None:
+        row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
+    if len(row_seeds) != query_ids.shape[0]:
+        raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {query_ids.shape[0]} prompts")
+    # Sampling = greedy decoding of temperature / top-k / top-p scores plus per-row Gumbel noise.
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k > 0:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        processors.append(TopPLogitsWarper(top_p))
+    generators = [torch.Generator(query_ids.device).manual_seed(int(seed)) for seed in row_seeds]
+    processors.append(RowGumbelNoise(generators))
+    sequences = policy.generate(
+        input_ids=query_ids,
+        attention_mask=query_mask.long(),
+        do_sample=False,
+        temperature=1.0,
+        top_p=1.0,
+        logits_processor=processors,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    response_ids = sequences[:, query_ids.shape[1] :]
+    response_mask = response_mask_from_ids(response_ids, eos_token_id)
+    return response_ids.masked_fill(~response_mask, pad_token_id), response_mask
+
+
+def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
+              response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` of prompt + response."""
+    return torch.cat([query_ids, response_ids], dim=1), torch.cat([query_mask, response_mask], dim=1).long()
+
+
+def response_logprobs(
+    model: nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs `[B, T]` of the response tokens under `model`, from logits divided by the sampling
+    temperature (the distribution the tokens were drawn from, before top-k/top-p truncation). One
+    forward pass; gradients flow when enabled. 0 on padding."""
+    input_ids, attention_mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    logprobs = sequence_logprobs(model, input_ids, attention_mask, num_tokens=response_ids.shape[1],
+                                 temperature=temperature)
+    return logprobs.masked_fill(~response_mask, 0.0)
+
+
+def response_values(
+    critic: nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Critic values `[B, T]`: entry t is the value of the state before response token t (the
+    critic's output at column P-1+t). 0 on padding."""
+    values = critic(*_sequence(query_ids, query_mask, response_ids, response_mask))
+    num_response = response_ids.shape[1]
+    return values[:, -num_response - 1 : -1].masked_fill(~response_mask, 0.0)
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Response texts without padding and special tokens (EOS)."""
+    return tokenizer.batch_decode(response_ids.masked_fill(~response_mask, tokenizer.pad_token_id),
+                                  skip_special_tokens=True)
+
+
+@torch.no_grad()
+def score_responses(
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    policy: nn.Module,
+    ref: nn.Module,
+    temperature: float,
+    critic: nn.Module | None = None,
+    reward_model: ScalarHeadModel | None = None,
+    reward_fn: RewardFn | None = None,
+    prompts: list[str] | None = None,
+    tokenizer=None,
+) -> Rollout:
+    """Everything PPO needs about sampled responses, one batched forward per model: policy and
+    reference log-probs, critic values (when a critic is given) and one score per response, from
+    `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`."""
+    if (reward_model is None) == (reward_fn is None):
+        raise ValueError("give exactly one of `reward_model` and `reward_fn`")
+    if reward_fn is not None and (prompts is None or tokenizer is None):
+        raise ValueError("`reward_fn` needs the `prompts` texts and a `tokenizer` to decode responses")
+    if prompts is not None and len(prompts) != query_ids.shape[0]:
+        raise ValueError(f"`prompts` has {len(prompts)} texts for {query_ids.shape[0]} rows")
+    batch = (query_ids, query_mask, response_ids, response_mask)
+    logprobs = response_logprobs(policy, *batch, temperature=temperature)
+    ref_logprobs = response_logprobs(ref, *batch, temperature=temperature)
+    values = response_values(critic, *batch) if critic is not None else None
+    if reward_model is not None:
+        scores = reward_model.score(*_sequence(*batch))  # at the last real token of prompt + response
+    else:
+        responses = decode_responses(tokenizer, response_ids, response_mask)
+        scores = torch.tensor([float(s) for s in reward_fn(prompts, responses)], device=query_ids.device)
+        if scores.shape != (len(responses),):
+            raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores)

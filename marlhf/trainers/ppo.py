@@ -1,0 +1,467 @@
+"""MA-PPO: PPO whose actions are macro actions (segments of response tokens), and its baselines.
+
+    policy = train_ppo(PPOConfig(model_name_or_path=SFT_DIR, reward_model_name_or_path=RM_DIR), records)
+
+Models: the policy and a frozen reference both start from the SFT model; the critic starts from the
+reward model (a ScalarHeadModel); the reward model is frozen. A reward function
+`reward_fn(prompts, responses) -> scores` (a gold reward, unit tests) can replace the reward model;
+the critic then starts from the reward model if one is named, else from the SFT model with a fresh
+value head.
+
+Each step, top to bottom:
+  1. rollout: sample `num_samples_per_prompt` responses per prompt, score them (log-probs of policy
+     and reference, critic values, one score per response);
+  2. per-token rewards: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
+  3. macro actions: segment the responses with the termination rule (fixed / randomized n-grams,
+     perplexity, parsing);
+  4. advantages: GAE over segments (`advantage="gae"`; `termination="fixed", ngram=1` is token-level
+     PPO), or a critic-free sequence estimator ("rloo", "grpo", "reinforce") on the summed reward;
+  5. PPO epochs over shuffled mini-batches: clipped policy loss with one ratio per segment (also for
+     the critic-free estimators: `ngram=None` gives a sequence-level ratio, `ngram=1` token-level
+     ratios as in TRL's GRPO), clipped value loss on segment values;
+  6. metrics, checkpoint.
+
+Defaults follow the paper (SPEC.md); `ratio_granularity`, `segment_reward`, `last_token_own_segment`
+and `rm_score_clip` reproduce the released code's choices instead.
+
+Data parallel (Accelerate): each process samples responses to its own prompts, every response from its own
+random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
+token normalisation span all processes. So N processes with P prompts each train like one process with
+N x P prompts (exactly so when a step makes one update), and a resumed run samples what the uninterrupted
+one sampled.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from marlhf.advantages import grpo, kl_penalized_rewards, macro_gae, reinforce, rloo, whiten
+from marlhf.config import TrainingConfig, option
+from marlhf.logging_utils import reduce_metrics
+from marlhf.losses import policy_loss, value_loss
+from marlhf.modeling import (LLAMA_ATTENTION, AdaptersDisabled, ScalarHeadModel, add_lora, load_causal_lm,
+                             load_tokenizer, pad_sequences)
+from marlhf.rewards import code_rewards
+from marlhf.rollout import Rollout, RewardFn, generate_responses, response_logprobs, response_values, score_responses
+from marlhf.segments import fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token
+from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, make_accelerator,
+                                    make_optimizer, make_scheduler, maybe_save_checkpoint, records_from_config,
+                                    require_fields, save_final_model, start_run)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOConfig(TrainingConfig):
+    """PPO / MA-PPO and the critic-free baselines (RLOO, GRPO, REINFORCE) on prompt records."""
+
+    output_dir: str = option("outputs/ppo", "directory for checkpoints, metrics.jsonl, config.yaml and the final "
+                                            "policy")
+    model_name_or_path: str = option("google/gemma-2b", "SFT model: initial policy and frozen reference")
+    reward_model_name_or_path: str | None = option(
+        None, "reward model (ScalarHeadModel directory); required unless train_ppo gets a reward function")
+    critic_model_name_or_path: str | None = option(
+        None, "critic initialisation (none: the reward model, as in the paper; without one, the SFT model "
+              "with a fresh value head)")
+    learning_rate: float = option(1.5e-5, "policy peak AdamW learning rate", gt=0)
+    critic_learning_rate: float = option(1.5e-5, "critic peak AdamW learning rate", gt=0)
+    per_device_batch_size: int = option(8, "prompts per PPO step on each process", ge=1)
+    mini_batch_size: int = option(
+        8, "responses per optimizer update (per process); each is split into gradient_accumulation_steps pieces",
+        ge=1)
+    ppo_epochs: int = option(1, "passes of PPO updates over each rollout", ge=1)
+    max_prompt_length: int = option(512, "prompts longer than N tokens are dropped (as the released code does)",
+                                    ge=1)
+    max_response_length: int = option(512, "sample at most N response tokens", ge=1)
+    max_length: int = option(1024, "context budget: must hold max_prompt_length + max_response_length", ge=2)
+
+    # Sampling. Log-probs are taken under logits / temperature, the distribution the tokens came from.
+    temperature: float = option(0.8, "sampling temperature", gt=0)
+    top_k: int = option(50, "sample from the k most likely tokens (0: no top-k)", ge=0)
+    top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
+
+    # Macro actions.
+    termination: Literal["fixed", "randomized", "perplexity", "parsing"] = option(
+        "fixed", "macro-action termination rule")
+    ngram: int | None = option(
+        5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
+    randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "randomized: segment lengths to draw from", ge=1)
+    repeat_times: int = option(3, "randomized: how often the list of lengths is repeated before shuffling", ge=1)
+    parsing_cutoff: int = option(5, "parsing: a subtree with at most this many parser leaves is one action", ge=1)
+    parsing_language: Literal["auto", "python", "text"] = option(
+        "auto", "parsing: parser to use (auto: Python if the response parses as code)")
+    last_token_own_segment: bool = option(
+        False, "the last response token forms its own macro action (the released code's layout)")
+
+    # Rewards and advantages.
+    reward: Literal["model", "code"] = option(
+        "model", "score source: the reward model, or the unit tests in each record's input_output (APPS, run in "
+                 "a sandbox); a reward function passed to train_ppo overrides both")
+    advantage: Literal["gae", "rloo", "grpo", "reinforce"] = option(
+        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages")
+    num_samples_per_prompt: int = option(1, "responses sampled per prompt (rloo and grpo need >= 2)", ge=1)
+    grpo_normalize_std: bool = option(True, "grpo: divide by the group's standard deviation")
+    kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token)", ge=0)
+    rm_score_clip: float | None = option(
+        None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
+    gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
+    lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
+    value_weighting: Literal["equal", "unit", "position"] = option(
+        "equal", "a macro action's value from its token values: equal weights, the last token only (unit), or "
+                 "weights growing towards the last token (position)")
+    segment_reward: Literal["sum", "mean"] = option(
+        "sum", "reward of a macro action: sum of its token rewards (paper) or their mean (released code)")
+    whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
+
+    # Losses.
+    clip_range: float = option(0.2, "PPO clip range of the policy ratio", gt=0)
+    ratio_granularity: Literal["macro", "token"] = option(
+        "macro", "clip one joint ratio per macro action (paper) or per-token ratios (released code)")
+    value_clip_range: float | None = option(
+        0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
+
+    # LoRA.
+    use_lora: bool = option(
+        False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
+               "(no second copy); the final policy is saved merged")
+    lora_r: int = option(8, "LoRA rank", ge=1)
+    lora_alpha: float = option(16.0, "LoRA scale numerator (scale = alpha / r)", gt=0)
+    lora_target_modules: tuple[str, ...] = option(LLAMA_ATTENTION, "names of the linear layers that get adapters")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_prompt_length + self.max_response_length > self.max_length:
+            raise ValueError(f"max_prompt_length + max_response_length ({self.max_prompt_length} + "
+                             f"{self.max_response_length}) must be <= max_length ({self.max_length})")
+        if self.advantage in ("rloo", "grpo") and self.num_samples_per_prompt < 2:
+            raise ValueError(f"advantage={self.advantage!r} needs num_samples_per_prompt >= 2, "
+                             f"got {self.num_samples_per_prompt}")
+        if self.rollout_size % self.mini_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
+                             f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
+        if self.use_lora and self.resume is not None:
+            raise ValueError("resume is not supported with use_lora (checkpoints hold the adapters only)")
+        if self.mini_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
+                             f"mini_batch_size ({self.mini_batch_size})")
+
+    @property
+    def rollout_size(self) -> int:
+        """Responses sampled per PPO step on each process."""
+        return self.per_device_batch_size * self.num_samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
+                  step: int) -> tuple[torch.Tensor, int]:
+    """Segment ids of the responses under the termination rule, and the number of rows the parser could
+    not segment (they fall back to one token per segment)."""
+    mask = rollout.response_mask
+    parse_fallbacks = 0
+    if config.termination == "fixed":
+        segment_ids = fixed_ngram(mask, config.ngram)
+    elif config.termination == "randomized":  # drawn for the rows of all processes from a per-step seed
+        generator = torch.Generator().manual_seed(_seed(config.seed, step))
+        all_ids = randomized_ngram(_gather_rows(accelerator, mask), config.randomized_lengths, config.repeat_times,
+                                   generator)
+        segment_ids = _own_rows(accelerator, all_ids, like=mask)
+    elif config.termination == "perplexity":
+        segment_ids = perplexity(mask, rollout.ref_logprobs)
+    else:
+        segment_ids, parse_fallbacks = parsing(rollout.response_ids, mask, tokenizer, config.parsing_cutoff,
+                                               config.parsing_language)
+    if config.last_token_own_segment:
+        segment_ids = split_last_token(segment_ids, mask)
+    return segment_ids, parse_fallbacks
+
+
+def sequence_advantages(config: PPOConfig, returns: torch.Tensor) -> torch.Tensor:
+    """Critic-free advantages [N] from the total reward of each response [N] (score minus the KL penalty,
+    as TRL's RLOO does); the samples of one prompt are consecutive."""
+    if config.advantage == "rloo":
+        return rloo(returns, config.num_samples_per_prompt)
+    if config.advantage == "grpo":
+        return grpo(returns, config.num_samples_per_prompt, normalize_std=config.grpo_normalize_std)
+    return reinforce(returns)
+
+
+def code_reward_fn(records: list[dict[str, Any]]) -> RewardFn:
+    """Reward function scoring each response as a program on the unit tests of its prompt's record."""
+    tests_by_prompt: dict[str, str] = {}
+    for index, record in enumerate(records):
+        tests = record.get("input_output")
+        if not isinstance(tests, str) or not tests.strip():
+            raise ValueError(f"reward='code' needs an input_output field (JSON unit tests) in record {index}")
+        if tests_by_prompt.setdefault(record["prompt"], tests) != tests:
+            raise ValueError(f"record {index} repeats a prompt with different unit tests")
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        return code_rewards(responses, [json.loads(tests_by_prompt[p]) for p in prompts])
+
+    return score
+
+
+def _seed(*numbers: int) -> int:
+    """A well-mixed 32-bit seed from several integers (run seed, step, row)."""
+    return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
+
+
+def _gather_rows(accelerator, x: torch.Tensor) -> torch.Tensor:
+    """The rows of every process stacked in process order ([B, T] rows right-padded to one width)."""
+    if x.dim() == 2:
+        x = accelerator.pad_across_processes(x, dim=1)
+    return accelerator.gather(x)
+
+
+def _own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This process's rows of a `_gather_rows` result, cut to the width of `like`."""
+    start = accelerator.process_index * like.shape[0]
+    x = x[start : start + like.shape[0]]
+    return x[:, : like.shape[1]] if x.dim() == 2 else x
+
+
+def _row_l2(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the L2 norm of each row's real tokens (the paper's Figure 11 diagnostic)."""
+    return torch.where(mask, x, 0.0).norm(dim=1).mean()
+
+
+def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, max_prompt_length: int,
+                      accelerator) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and token ids, without the prompts longer than max_prompt_length (dropped and counted)."""
+    texts, token_ids = [], []
+    for record in records:
+        ids = tokenizer(record["prompt"])["input_ids"]
+        if len(ids) <= max_prompt_length:
+            texts.append(record["prompt"])
+            token_ids.append(ids)
+    dropped = len(records) - len(texts)
+    if dropped:
+        accelerator.print(f"ppo: dropped {dropped} of {len(records)} prompts longer than {max_prompt_length} tokens")
+    if not texts:
+        raise ValueError(f"every prompt is longer than max_prompt_length={max_prompt_length} tokens")
+    return texts, token_ids
+
+
+def _disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """PPO's ratio compares the rollout's log-probs with the update's forward of the same weights; dropout
+    would make them differ (the update runs in train mode, which gradient checkpointing needs)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _frozen(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    return model.requires_grad_(False).eval().to(device)
+
+
+def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, policy=None, ref=None,
+              critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
+              reward_fn: RewardFn | None = None):
+    """Train the policy with (MA-)PPO on `prompts` ({"prompt": ...} records; default: config.dataset) and
+    return it unwrapped. Models not passed in are loaded from the config's paths; `reward_fn` replaces the
+    reward model as the source of scores. Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
+    accelerator = make_accelerator(config)
+    device = accelerator.device
+    records = prompts if prompts is not None else records_from_config(config, "rl")
+    require_fields(records, ("prompt",), "rl")
+
+    # ---- models ------------------------------------------------------------------------------
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
+    if policy is None:
+        policy = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    if reward_fn is None and config.reward == "code":
+        reward_fn = code_reward_fn(records)
+    if reward_fn is None:
+        if reward_model is None:
+            if config.reward_model_name_or_path is None:
+                raise ValueError("reward_model_name_or_path is required when no reward model or reward_fn is given")
+            reward_model = ScalarHeadModel.from_pretrained(config.reward_model_name_or_path, config.dtype)
+        reward_model = _frozen(reward_model, device)
+    if config.uses_critic and critic is None:
+        critic_path = config.critic_model_name_or_path or config.reward_model_name_or_path
+        if critic_path is not None:
+            critic = ScalarHeadModel.from_pretrained(critic_path, config.dtype, config.gradient_checkpointing)
+        elif reward_model is not None:
+            critic = copy.deepcopy(reward_model).requires_grad_(True)
+        else:  # the SFT model's transformer with a fresh value head
+            critic = ScalarHeadModel(copy.deepcopy(policy.base_model))
+    if config.gradient_checkpointing:  # also for models passed in, and a critic copied from the reward model
+        for model in (policy, critic):
+            if model is not None:
+                model.activation_checkpointing_enable()
+    # The reference is the SFT model, before any update (when resuming, the checkpoint is loaded later).
+    if config.use_lora:
+        lora = dict(r=config.lora_r, alpha=config.lora_alpha, target_modules=config.lora_target_modules)
+        policy = add_lora(policy, **lora)
+        critic = add_lora(critic, **lora) if critic is not None else None
+        ref = ref if ref is not None else AdaptersDisabled(policy)
+    elif ref is None:
+        ref = copy.deepcopy(policy)
+    if isinstance(ref, torch.nn.Module):
+        ref = _frozen(ref, device)
+    policy = _disable_dropout(policy)
+    if critic is not None:
+        critic = _disable_dropout(critic)
+
+    # ---- data, optimisers, resume ------------------------------------------------------------
+    prompt_texts, prompt_ids = _tokenize_prompts(records, tokenizer, config.max_prompt_length, accelerator)
+    # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
+    plan = BatchPlan(len(prompt_ids), dataclasses.replace(config, gradient_accumulation_steps=1), accelerator)
+    updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)
+    policy_optimizer = make_optimizer(policy, config)
+    policy_scheduler = make_scheduler(policy_optimizer, config, plan.total_steps * updates_per_step)
+    policy, policy_optimizer = accelerator.prepare(policy, policy_optimizer)
+    models, optimizers, schedulers = {"policy": policy}, {"policy": policy_optimizer}, {"policy": policy_scheduler}
+    if config.uses_critic:
+        critic_config = dataclasses.replace(config, learning_rate=config.critic_learning_rate)
+        critic_optimizer = make_optimizer(critic, critic_config)
+        critic_scheduler = make_scheduler(critic_optimizer, config, plan.total_steps * updates_per_step)
+        critic, critic_optimizer = accelerator.prepare(critic, critic_optimizer)
+        models["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
+    updaters = [(models[name], optimizers[name], schedulers[name]) for name in models]
+    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+    eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
+    if eos_token_id is None:
+        eos_token_id = tokenizer.eos_token_id
+
+    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
+                    disable=not accelerator.is_local_main_process)
+    for step in progress:
+        step_start = _clock(device)
+
+        # ---- 1. rollout: the samples of one prompt are consecutive rows ------------------------
+        rows = [i for i in plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
+        query_ids, query_mask = pad_sequences([prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
+        query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+        # One random stream per response, keyed by its row among all processes' rows: the samples do not
+        # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
+        first_row = accelerator.process_index * config.rollout_size
+        row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+        for model, _, _ in updaters:
+            model.eval()  # generate with the KV cache (train mode with gradient checkpointing turns it off)
+        with accelerator.autocast():
+            response_ids, response_mask = generate_responses(
+                accelerator.unwrap_model(policy), query_ids, query_mask, row_seeds=row_seeds,
+                max_new_tokens=config.max_response_length,
+                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            generation_end = _clock(device)
+            rollout = score_responses(
+                query_ids, query_mask, response_ids, response_mask, policy=policy, ref=ref,
+                temperature=config.temperature, critic=critic, reward_model=reward_model, reward_fn=reward_fn,
+                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer)
+        scoring_end = _clock(device)
+        mask = rollout.response_mask
+
+        # ---- 2-4. rewards, macro actions, advantages --------------------------------------------
+        scores = rollout.scores
+        if config.rm_score_clip is not None:
+            scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
+        rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)
+        segment_ids, parse_fallbacks = macro_actions(config, rollout, tokenizer, accelerator, step)
+        returns = None
+        # Batch statistics (baselines, whitening) are taken over the rows of all processes.
+        if config.uses_critic:
+            advantages, returns = macro_gae(rewards, rollout.values, mask, segment_ids, config.gamma, config.lam,
+                                            config.value_weighting, config.segment_reward)
+        else:
+            all_advantages = sequence_advantages(config, _gather_rows(accelerator, rewards.sum(dim=1)))
+            advantages = torch.where(mask, _own_rows(accelerator, all_advantages, like=mask)[:, None], 0.0)
+        if config.whiten_advantages:
+            all_advantages = whiten(_gather_rows(accelerator, advantages), _gather_rows(accelerator, mask))
+            advantages = _own_rows(accelerator, all_advantages, like=mask)
+
+        # ---- 5. PPO epochs over shuffled mini-batches ------------------------------------------
+        for model, _, _ in updaters:
+            model.train()
+        update_stats: dict[str, list[torch.Tensor]] = {}
+        for _ in range(config.ppo_epochs):
+            for mini_batch in torch.randperm(config.rollout_size).split(config.mini_batch_size):
+                mini_batch = mini_batch.to(device)
+                # The losses are token means per piece; weighting each by its share of the mini-batch's tokens
+                # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
+                # processes' gradients, hence the factor num_processes).
+                num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
+                pieces = mini_batch.chunk(config.gradient_accumulation_steps)
+                for piece_index, piece in enumerate(pieces):
+                    is_last_piece = piece_index == len(pieces) - 1
+                    weight = mask[piece].sum() * accelerator.num_processes / num_tokens
+                    inputs = (rollout.query_ids[piece], rollout.query_mask[piece], rollout.response_ids[piece],
+                              mask[piece])
+                    with accumulation_context(accelerator, policy, is_last_piece):
+                        logprobs = response_logprobs(policy, *inputs, temperature=config.temperature)
+                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece], advantages[piece],
+                                                        mask[piece], segment_ids[piece], config.clip_range,
+                                                        config.ratio_granularity)
+                        accelerator.backward(pg_loss * weight)
+                    stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
+                             "policy/approxkl": pg_stats["approxkl"]}
+                    if critic is not None:
+                        with accumulation_context(accelerator, critic, is_last_piece):
+                            values = response_values(critic, *inputs)
+                            vf_loss, vf_stats = value_loss(values, rollout.values[piece], returns[piece], mask[piece],
+                                                           segment_ids[piece], config.value_clip_range,
+                                                           config.value_weighting)
+                            accelerator.backward(vf_loss * weight)
+                        stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
+                    for name, value in stats.items():
+                        update_stats.setdefault(name, []).append(value)
+                for model, optimizer, scheduler in updaters:
+                    clip_gradients(accelerator, model, config.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        update_end = _clock(device)
+
+        # ---- 6. metrics and checkpoint ---------------------------------------------------------
+        done = step + 1
+        if done % config.logging_steps == 0 or done == plan.total_steps:
+            # KL and entropy: sample estimates summed over each response's tokens, averaged over responses.
+            kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1).mean()
+            metrics = {
+                "objective/kl": kl,
+                "objective/entropy": torch.where(mask, -rollout.logprobs, 0.0).sum(1).mean(),
+                "objective/rm_score": rollout.scores.mean(),
+                "objective/response_length": mask.sum(1).float().mean(),
+                **{name: torch.stack(values).mean() for name, values in update_stats.items()},
+                "val/advantage_l2": _row_l2(advantages, mask),
+                "macro/mean_segment_length": mask.sum() / num_segments(segment_ids).sum(),
+                "time/generation": generation_end - step_start,
+                "time/scoring": scoring_end - generation_end,
+                "time/update": update_end - scoring_end,
+                "time/step_seconds": _clock(device) - step_start,
+            }
+            if critic is not None:
+                metrics["val/return_l2"] = _row_l2(returns, mask)
+            if config.termination == "parsing":
+                metrics["macro/parse_fallbacks"] = parse_fallbacks
+            metrics = reduce_metrics(metrics, accelerator)
+            logger.log(metrics, done)
+            progress.set_postfix(reward=f"{metrics['objective/rm_score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
+
+    logger.close()
+    policy = accelerator.unwrap_model(policy)
+    if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
+        policy = copy.deepcopy(policy).merge_and_unload()
+    save_final_model(policy, tokenizer, config.output_dir, accelerator)
+    return policy

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from marlhf.modeling import ScalarHeadModel, pad_sequences
+from marlhf.rollout import (decode_responses, generate_responses, response_logprobs, response_mask_from_ids,
+                            response_values, score_responses)
+
+PAD, EOS = 0, 2
+
+
+def _eight_token_lm(seed: int = 0) -> LlamaForCausalLM:
+    """A vocabulary of 8 tokens, so that sampling hits EOS within a few steps on some rows only."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS)
+    return LlamaForCausalLM(config).eval()
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = pad_sequences([[1, 5, 6, 7], [1, 3], [1, 4, 4], [1, 6, 3, 5], [1, 7]] * 2, PAD, "left")
+    return ids, mask.bool()
+
+
+def test_response_mask_keeps_first_eos_and_masks_the_rest():
+    ids = torch.tensor([[5, 2, 2, 0], [5, 6, 7, 3], [2, 5, 2, 6], [4, 9, 5, 5]])
+    assert response_mask_from_ids(ids, 2).tolist() == [
+        [True, True, False, False], [True, True, True, True], [True, False, False, False],
+        [True, True, True, True]]
+    # several EOS ids (e.g. Gemma's <eos> and <end_of_turn>)
+    assert response_mask_from_ids(ids, [9, 3])[3].tolist() == [True, True, False, False]
+    assert response_mask_from_ids(ids, [9, 3])[1].tolist() == [True, True, True, True]
+
+
+def _sample(policy, query_ids, query_mask, seeds, **overrides):
+    kwargs = dict(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=EOS, pad_token_id=PAD)
+    kwargs.update(overrides)
+    return generate_responses(policy, query_ids, query_mask, row_seeds=seeds, **kwargs)
+
+
+def test_generate_responses_shapes_masks_and_eos():
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    response_ids, response_mask = _sample(policy, query_ids, query_mask, range(10))
+    assert response_ids.shape == response_mask.shape and response_ids.shape[0] == 10
+    assert response_ids.shape[1] <= 12 and response_mask.dtype == torch.bool
+    lengths = response_mask.sum(1)
+    assert (lengths >= 1).all()
+    assert (response_mask == (torch.arange(response_ids.shape[1]) < lengths[:, None])).all()  # right-padded
+    assert (response_ids[~response_mask] == PAD).all()
+    ended = lengths < response_ids.shape[1]
+    assert ended.any() and (~ended).any(), "the seeds should give rows with and without an early EOS"
+    last = response_ids.gather(1, (lengths - 1)[:, None]).squeeze(1)
+    assert (last[ended] == EOS).all()  # the EOS is the last real token, included in the mask
+    for row in range(10):  # no EOS before the last real token
+        assert EOS not in response_ids[row, : lengths[row] - 1].tolist()
+    with pytest.raises(ValueError, match="row_seeds"):
+        _sample(policy, query_ids, query_mask, range(3))
+
+
+def test_a_row_samples_the_same_response_alone_or_in_any_batch():
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    seeds = [100 + row for row in range(10)]
+    batch_ids, batch_mask = _sample(policy, query_ids, query_mask, seeds, temperature=0.8, top_k=5, top_p=0.9)
+    again = _sample(policy, query_ids, query_mask, seeds, temperature=0.8, top_k=5, top_p=0.9)
+    assert torch.equal(again[0], batch_ids)
+    for row in (0, 1, 7):
+        alone_ids, alone_mask = _sample(policy, query_ids[row : row + 1, query_mask[row]], query_mask[row : row + 1,
+                                        query_mask[row]], seeds[row : row + 1], temperature=0.8, top_k=5, top_p=0.9)
+        assert alone_ids[0, : alone_mask.sum()].tolist() == batch_ids[row, : batch_mask[row].sum()].tolist()
+    other_ids, _ = _sample(policy, query_ids, query_mask, [s + 1 for s in seeds])
+    assert not torch.equal(other_ids, batch_ids)
+    torch.manual_seed(3)  # without row seeds, they come from torch's global RNG
+    first = _sample(policy, query_ids, query_mask, None)
+    torch.manual_seed(3)
+    assert torch.equal(_sample(policy, query_ids, query_mask, None)[0], first[0])
+
+
+def test_samples_follow_softmax_of_scaled_logits_with_top_k():
+    """The Gumbel-max sampler draws each token with probability softmax(logits / temperature), renormalised
+    over the top-k tokens: first-token frequencies over many seeds."""
+    policy = _eight_token_lm()
+    num_samples = 4000
+    query_ids = torch.tensor([[1, 5, 6]]).expand(num_samples, 3)
+    query_mask = torch.ones_like(query_ids, dtype=torch.bool)
+    logits = policy(input_ids=query_ids[:1]).logits[0, -1]
+    for temperature, top_k in ((0.7, 0), (1.0, 3)):
+        first, _ = _sample(policy, query_ids, query_mask, range(num_samples), max_new_tokens=1,
+                           temperature=temperature, top_k=top_k)
+        scaled = logits / temperature
+        if top_k:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], float("-inf"))
+        expected = torch.softmax(scaled, dim=-1)
+        frequencies = torch.bincount(first[:, 0], minlength=8).float() / num_samples
+        assert (frequencies[expected == 0] == 0).all()
+        torch.testing.assert_close(frequencies, expected, atol=0.025, rtol=0)
+
+
+def test_top_k_one_is_greedy():
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    greedy, _ = _sample(policy, query_ids, query_mask, range(10), max_new_tokens=6, temperature=0.8, top_k=1)
+    logits = policy(input_ids=query_ids, attention_mask=query_mask.long(),
+                    position_ids=(query_mask.long().cumsum(1) - 1).clamp(min=0)).logits[:, -1]
+    assert torch.equal(greedy[:, 0], logits.argmax(-1))
+    with pytest.raises(ValueError, match="top_p"):
+        _sample(policy, query_ids, query_mask, range(10), top_p=0.0)
+
+
+def _unpadded(query_ids, query_mask, response_ids, response_mask, row):
+    prompt = query_ids[row][query_mask[row]]
+    response = response_ids[row][response_mask[row]]
+    return prompt, response
+
+
+def test_logprobs_values_and_scores_match_unpadded_forward():
+    """Batched, padded, chunked results equal a plain full log_softmax / forward on each row alone."""
+    policy, other = _eight_token_lm(0), _eight_token_lm(1)
+    torch.manual_seed(0)
+    critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
+    query_ids, query_mask = _prompts()
+    response_ids, response_mask = _sample(policy, query_ids, query_mask, range(10), max_new_tokens=9)
+    temperature = 0.7
+    with torch.no_grad():
+        rollout = score_responses(query_ids, query_mask, response_ids, response_mask, policy=policy, ref=other,
+                                  temperature=temperature, critic=critic, reward_model=critic)
+        for row in range(query_ids.shape[0]):
+            prompt, response = _unpadded(query_ids, query_mask, response_ids, response_mask, row)
+            sequence = torch.cat([prompt, response])[None]
+            start, length = len(prompt) - 1, len(response)
+            for model, got in ((policy, rollout.logprobs), (other, rollout.ref_logprobs)):
+                full = torch.log_softmax(model(input_ids=sequence).logits[0] / temperature, dim=-1)
+                expected = full[start : start + length].gather(1, response[:, None]).squeeze(1)
+                torch.testing.assert_close(got[row, :length], expected, atol=1e-5, rtol=1e-5)
+                assert (got[row, length:] == 0).all()
+            values = critic(sequence, torch.ones_like(sequence))[0]
+            torch.testing.assert_close(rollout.values[row, :length], values[start : start + length])
+            assert (rollout.values[row, length:] == 0).all()
+            torch.testing.assert_close(rollout.scores[row], values[-1])  # last real token of prompt + response
+    assert rollout.logprobs.shape == rollout.values.shape == response_mask.shape
+    assert rollout.scores.shape == (query_ids.shape[0],)
+    assert (rollout.logprobs[response_mask] < 0).all()
+    # the same helpers with gradients (the PPO update)
+    grads = response_logprobs(policy, query_ids, query_mask, response_ids, response_mask, temperature)
+    assert grads.requires_grad
+    torch.testing.assert_close(grads.detach(), rollout.logprobs)
+    assert response_values(critic, query_ids, query_mask, response_ids, response_mask).requires_grad
+
+
+def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make_tiny_causal_lm):
+    policy = make_tiny_causal_lm().eval()
+    prompts = ["Human: hi\n\nAssistant:", "The quick brown fox"]
+    query_ids, query_mask = pad_sequences([tiny_tokenizer(p)["input_ids"] for p in prompts],
+                                          tiny_tokenizer.pad_token_id, "left")
+    response_texts = [" jumps over", " the lazy dog."]
+    rows = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+            for t in response_texts]
+    response_ids, response_mask = pad_sequences(rows, tiny_tokenizer.pad_token_id, "right")
+    seen = []
+
+    def reward_fn(batch_prompts, responses):
+        seen.append((batch_prompts, responses))
+        return [float(len(r)) for r in responses]
+
+    rollout = score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy,
+                              ref=policy, temperature=1.0, reward_fn=reward_fn, prompts=prompts,
+                              tokenizer=tiny_tokenizer)
+    assert seen == [(prompts, response_texts)]
+    assert decode_responses(tiny_tokenizer, response_ids, response_mask.bool()) == response_texts
+    assert rollout.scores.tolist() == [11.0, 14.0] and rollout.values is None
+    torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
+    with pytest.raises(ValueError, match="exactly one"):
+        score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
+                        temperature=1.0)
+    with pytest.raises(ValueError, match="scores for 2 responses"):
+        score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
+                        temperature=1.0, reward_fn=lambda p, r: [1.0], prompts=prompts, tokenizer=tiny_tokenizer)

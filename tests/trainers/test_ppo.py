@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import marlhf.trainers.ppo as ppo
+from marlhf.advantages import token_gae
+from marlhf.checkpoint import list_checkpoints
+from marlhf.logging_utils import read_metrics
+from marlhf.losses import policy_loss, value_loss
+from marlhf.modeling import ScalarHeadModel
+from marlhf.trainers.ppo import PPOConfig, code_reward_fn, train_ppo
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOPICS = ("cats", "dogs", "bread", "rain", "code", "tea", "maps", "boats")
+RECORDS = [{"prompt": f"Human: say something about {topic}\n\nAssistant:"} for topic in TOPICS]
+
+
+def count_e(prompts: list[str], responses: list[str]) -> list[float]:
+    """A reward a tiny random model learns in a few steps: the number of 'e' in the response text."""
+    return [float(response.count("e")) for response in responses]
+
+
+def _config(tmp_path, **overrides) -> PPOConfig:
+    values = dict(output_dir=str(tmp_path / "ppo"), model_name_or_path="unused", per_device_batch_size=4,
+                  mini_batch_size=4, max_prompt_length=32, max_response_length=8, max_length=64, max_steps=2,
+                  learning_rate=1e-2, critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
+                  save_steps=0, seed=3)
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
+def _metrics_without_timings(output_dir) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(output_dir)]
+
+
+def test_reward_rises(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    config = _config(tmp_path, per_device_batch_size=8, num_samples_per_prompt=2, mini_batch_size=16, max_steps=8,
+                     kl_coef=0.0, whiten_advantages=True)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    scores = [m["objective/rm_score"] for m in metrics]
+    assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.5, scores
+    expected = {"objective/kl", "objective/entropy", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
+                "val/advantage_l2", "val/return_l2", "time/step_seconds", "macro/mean_segment_length", "loss/policy",
+                "loss/value", "time/generation", "time/scoring", "time/update"}
+    assert expected <= set(metrics[0])
+    assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert metrics[-1]["objective/kl"] != 0.0
+    assert metrics[0]["macro/mean_segment_length"] == pytest.approx(8 / 2)  # 8 tokens -> segments of 5 and 3
+    assert (tmp_path / "ppo" / "model.safetensors").exists()
+
+
+def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
+    """fixed n=1 through macro_gae and the segment-level losses gives exactly the run forced through
+    token_gae and the losses without segments."""
+    def run(output_dir, ngram=1):
+        config = _config(tmp_path, output_dir=str(output_dir), termination="fixed", ngram=ngram, max_steps=2,
+                         mini_batch_size=2)
+        train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+        return _metrics_without_timings(output_dir)
+
+    macro = run(tmp_path / "macro")
+    whole = run(tmp_path / "whole", ngram=None)  # same first rollout, other macro actions: other advantages
+    assert whole[0]["objective/rm_score"] == macro[0]["objective/rm_score"]
+    assert whole[0]["val/advantage_l2"] != pytest.approx(macro[0]["val/advantage_l2"])
+    calls = []
+
+    def forced_token_gae(rewards, values, mask, segment_ids, gamma, lam, value_weighting, segment_reward):
+        calls.append(segment_ids)
+        return token_gae(rewards, values, mask, gamma, lam)
+
+    monkeypatch.setattr(ppo, "macro_gae", forced_token_gae)
+    monkeypatch.setattr(ppo, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
+    monkeypatch.setattr(ppo, "value_loss", lambda *args: value_loss(*args[:4], None, *args[5:]))
+    token = run(tmp_path / "token")
+    assert len(calls) == 2 and all(c.max() == c.shape[1] - 1 for c in calls)
+    assert macro[-1]["macro/mean_segment_length"] == 1.0
+    assert token == macro
+
+
+@pytest.mark.parametrize("options", [
+    dict(advantage="rloo", num_samples_per_prompt=2, mini_batch_size=8),
+    dict(advantage="grpo", num_samples_per_prompt=2, mini_batch_size=4, termination="fixed", ngram=None),
+    dict(advantage="reinforce", termination="perplexity", whiten_advantages=True),
+    dict(termination="randomized", randomized_lengths=(1, 2), repeat_times=2, ppo_epochs=2,
+         gradient_accumulation_steps=2, value_weighting="position"),
+    dict(termination="parsing", parsing_language="python", last_token_own_segment=True, ratio_granularity="token",
+         segment_reward="mean", rm_score_clip=0.01, value_clip_range=None, value_weighting="unit"),
+])
+def test_estimators_and_options_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer, options):
+    config = _config(tmp_path, save_steps=2, **options)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(list(m.values()))).all() for m in metrics)
+    checkpoint = list_checkpoints(tmp_path / "ppo")[-1]
+    assert (checkpoint / "policy" / "model.safetensors").exists()
+    uses_critic = config.advantage == "gae"
+    assert ("loss/value" in metrics[0]) == uses_critic
+    assert (checkpoint / "critic").exists() == uses_critic
+    assert (checkpoint / "optimizer.critic.json").exists() == uses_critic
+    if config.termination == "parsing":
+        assert "macro/parse_fallbacks" in metrics[0]
+    if config.ngram is None:  # one segment per response
+        assert metrics[0]["macro/mean_segment_length"] == pytest.approx(metrics[0]["objective/response_length"])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_samples_per_prompt"):
+        PPOConfig(advantage="rloo")
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        PPOConfig(per_device_batch_size=4, mini_batch_size=3)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        PPOConfig(per_device_batch_size=4, mini_batch_size=4, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match="max_length"):
+        PPOConfig(max_prompt_length=512, max_response_length=600)
+    with pytest.raises(ValueError, match="ngram"):
+        PPOConfig(ngram=0)
+    defaults = PPOConfig()
+    assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
+        0.2, 1.0, 0.95, 0.05, 1)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.8, 50, 1.0)
+    assert (defaults.max_prompt_length, defaults.max_response_length) == (512, 512)
+    assert (defaults.ratio_granularity, defaults.segment_reward, defaults.last_token_own_segment,
+            defaults.rm_score_clip) == ("macro", "sum", False, None)
+
+
+def test_long_prompts_are_dropped_and_missing_reward_is_an_error(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    config = _config(tmp_path, max_prompt_length=8)
+    with pytest.raises(ValueError, match="every prompt is longer"):
+        train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    with pytest.raises(ValueError, match="reward_model_name_or_path"):
+        train_ppo(_config(tmp_path), RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+
+
+def test_code_reward_fn_scores_programs_on_their_record_tests():
+    tests = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    score = code_reward_fn([{"prompt": "add", "input_output": tests}])
+    assert score(["add", "add"], ["a, b = map(int, input().split())\nprint(a + b)\n", "print(("]) == [1.0, -1.0]
+    with pytest.raises(ValueError, match="input_output"):
+        code_reward_fn([{"prompt": "add"}])
+    with pytest.raises(ValueError, match="different unit tests"):
+        code_reward_fn([{"prompt": "add", "input_output": tests}, {"prompt": "add", "input_output": "{}"}])
+
+
+_KILLED_RUN = """
+import json, os, signal, sys
+import torch
+from marlhf.logging_utils import MetricsLogger
+from marlhf.trainers.ppo import PPOConfig, train_ppo
+
+config_path, records_path, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+log = MetricsLogger.log
+
+def log_then_die(self, metrics, step):
+    log(self, metrics, step)
+    if step == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+MetricsLogger.log = log_then_die
+torch.set_num_threads(1)  # as in the test process, so that both compute bit-identical numbers
+train_ppo(PPOConfig.from_yaml(config_path), json.load(open(records_path)))
+"""
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm):
+    """Loaded from directories as the CLI does: policy/reference from the SFT dir, critic and frozen reward
+    model from the reward-model dir. Killed after logging step 2 (before its checkpoint), resumed from
+    checkpoint-1: steps 2 and 3 must come out as in the uninterrupted run."""
+    torch.manual_seed(0)
+    reward_model_dir = tmp_path / "rm"
+    ScalarHeadModel(make_tiny_causal_lm(seed=7).model).save_pretrained(reward_model_dir)
+    common = dict(model_name_or_path=str(tiny_model_dir), reward_model_name_or_path=str(reward_model_dir),
+                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2)
+    straight = _config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
+    train_ppo(straight, RECORDS)
+
+    crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
+    crashed.save_yaml(tmp_path / "crashed.yaml")
+    (tmp_path / "records.json").write_text(json.dumps(RECORDS))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "crashed.yaml"),
+                            str(tmp_path / "records.json"), "2"], env=env, cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == -9, child.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == ["checkpoint-1"]
+    assert {p.name for p in (tmp_path / "crashed" / "checkpoint-1").iterdir()} >= {
+        "policy", "critic", "optimizer.policy.json", "optimizer.critic.json", "scheduler.policy.json",
+        "rng_state.0.json", "trainer_state.json"}
+    assert read_metrics(tmp_path / "crashed")[-1]["step"] == 2
+
+    train_ppo(dataclasses.replace(crashed, resume="latest"), RECORDS)
+    after_resume = _metrics_without_timings(tmp_path / "crashed")
+    assert [m["step"] for m in after_resume] == [1, 2, 3]
+    assert after_resume == _metrics_without_timings(tmp_path / "straight")
