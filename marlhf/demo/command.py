@@ -1,0 +1,32 @@
+"""`marlhf demo`: the command-line tool (registered in marlhf.cli like the evaluation tools)."""
+
+from __future__ import annotations
+
+import argparse
+
+from marlhf.evaluation.commands import Tool
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from marlhf.demo.config import DemoConfig
+
+    DemoConfig.add_arguments(parser)
+    parser.add_argument("--quick", action="store_true",
+                        help="shortened run (under a minute): one seed, few steps, for the options left at their defaults")
+
+
+def _run_demo(arguments: argparse.Namespace) -> int:
+    from marlhf.demo.config import DemoConfig
+    from marlhf.demo.pipeline import run_demo
+
+    config = DemoConfig.from_arguments(arguments)  # defaults < --config file < flags
+    if arguments.quick:  # the quick preset replaces the options left at their defaults
+        defaults = DemoConfig().to_dict()
+        config = DemoConfig.quick(**{k: v for k, v in config.to_dict().items() if v != defaults[k]})
+    run_demo(config)
+    return 0
+
+
+DEMO = Tool(_demo_arguments, _run_demo,
+            "the whole pipeline on a synthetic task with a gold reward, on CPU: PPO vs MA-PPO (writes "
+            "summary.json, curves.png, report.md)")

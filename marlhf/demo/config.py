@@ -1,0 +1,62 @@
+"""Options of `marlhf demo` (a light module: the command line builds its parser from it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from marlhf.config import ConfigBase, option
+
+
+@dataclasses.dataclass(kw_only=True)
+class DemoConfig(ConfigBase):
+    """Sizes and hyper-parameters of the demo. The defaults fit in 10 minutes on 2 CPU cores."""
+
+    out: str = option("demo_out", "output directory")
+    seeds: tuple[int, ...] = option((0, 1), "PPO seeds; every method runs on each")
+    terminations: tuple[str, ...] = option(
+        (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:inf, randomized, "
+            "perplexity")
+    task_seed: int = option(1234, "seed of the lexicon and of every data set")
+    pretrain_texts: int = option(12000, "pre-training texts (one epoch)", ge=64)
+    sft_records: int = option(3000, "SFT demonstrations (one epoch)", ge=32)
+    preference_records: int = option(4000, "preference pairs for the reward model (one epoch)", ge=64)
+    ppo_steps: int = option(50, "PPO steps per run", ge=1)
+    ppo_batch_size: int = option(32, "prompts (= responses) per PPO step", ge=2)
+    ppo_learning_rate: float = option(3e-4, "policy learning rate", gt=0)
+    critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
+    kl_coef: float = option(0.05, "KL penalty coefficient", ge=0)
+    eval_prompts: int = option(128, "held-out prompts of the final evaluation", ge=1)
+    num_threads: int | None = option(
+        1, "torch CPU threads while the demo runs (none: leave torch's setting); the model is so small that one "
+           "thread is as fast as two, and much faster when other processes share the cores", ge=1)
+    curve_smoothing: int = option(5, "moving-average window (steps) of the gold curves and of steps_to_parity", ge=1)
+
+    def validate(self) -> None:
+        super().validate()
+        if len(set(self.seeds)) != len(self.seeds) or not self.seeds:
+            raise ValueError(f"seeds must be distinct and not empty, got {self.seeds}")
+        methods = [parse_termination(spec)[0] for spec in self.terminations]
+        if len(set(methods)) != len(methods) or set(methods) & {"ppo", "ma_ppo"}:
+            raise ValueError(f"terminations repeat a method (ppo and ma_ppo always run): {self.terminations}")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DemoConfig:
+        """A shortened run (under a minute on 2 cores) for tests and a first look."""
+        values = dict(seeds=(0,), pretrain_texts=1024, sft_records=256, preference_records=512, ppo_steps=6,
+                      ppo_batch_size=16, eval_prompts=16, curve_smoothing=2)
+        return cls(**{**values, **overrides})
+
+
+def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
+    """`fixed:N`, `fixed:inf`, `randomized`, `perplexity` -> (method name, PPOConfig options)."""
+    rule, _, argument = spec.partition(":")
+    if rule == "fixed" and argument:
+        if argument == "inf":
+            return "ma_ppo_fixed_inf", {"termination": "fixed", "ngram": None}
+        if argument.isdigit() and int(argument) >= 1:
+            name = "ppo" if argument == "1" else "ma_ppo" if argument == "5" else f"ma_ppo_fixed{argument}"
+            return name, {"termination": "fixed", "ngram": int(argument)}
+    elif rule in ("randomized", "perplexity") and not argument:
+        return f"ma_ppo_{rule}", {"termination": rule}
+    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:inf, randomized or perplexity")

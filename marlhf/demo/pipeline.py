@@ -1,0 +1,186 @@
+"""`marlhf demo`: the whole MA-RLHF pipeline on the synthetic task, on CPU, in minutes, with no downloads.
+
+    tokenizer -> pretrain -> SFT -> reward model -> PPO (n=1) and MA-PPO (n=5, more with `terminations`)
+    on every seed -> gold and reward-model reward on held-out prompts -> summary.json, curves.png, report.md
+
+PPO is the repository's `train_ppo`. It is given a reward function that scores with the trained reward
+model (what PPO optimises, exactly as `marlhf evaluate` scores) and, on the side, records the gold reward of
+the same responses (what we judge by): that is where the per-step gold curves come from.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+import torch
+from tqdm.auto import tqdm
+
+from marlhf.demo.config import DemoConfig, parse_termination
+from marlhf.demo.pretrain import pretrain, tiny_llama
+from marlhf.demo.report import load_method_runs, plot_curves, summarize, write_report
+from marlhf.demo.task import SyntheticTask, TaskConfig
+from marlhf.demo.tokenizer import train_tokenizer
+from marlhf.evaluation.evaluate import reward_model_scores
+from marlhf.modeling import ScalarHeadModel, pad_sequences
+from marlhf.rollout import generate_responses, response_logprobs
+from marlhf.trainers.ppo import PPOConfig, train_ppo
+from marlhf.trainers.reward import RewardConfig, train_reward_model
+from marlhf.trainers.sft import SFTConfig, train_sft
+
+GOLD_FILE = "gold.jsonl"  # per PPO step: gold and reward-model reward of the step's rollouts
+MAX_PROMPT_TOKENS = 48  # prompts are 8 words + separator: about 25 tokens
+MAX_RESPONSE_TOKENS = 96  # demonstrations are 20 words: about 60 tokens
+
+
+class RewardModelWithGold:
+    """`reward_fn` for train_ppo: returns the reward model's scores and keeps, per call (one call per PPO
+    step), the mean gold and reward-model reward of the responses."""
+
+    def __init__(self, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask) -> None:
+        self.reward_model, self.tokenizer, self.task = reward_model, tokenizer, task
+        self.rows: list[dict[str, float]] = []
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        scores = reward_model_scores(self.reward_model, self.tokenizer, prompts, responses,
+                                     batch_size=len(prompts), max_prompt_length=MAX_PROMPT_TOKENS,
+                                     max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+        gold = self.task.gold_rewards(prompts, responses)
+        self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
+                          "rm_reward": sum(scores) / len(scores)})
+        return scores
+
+
+@torch.no_grad()
+def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask, prompts: list[str],
+                    *, seed: int, temperature: float = 0.8, batch_size: int = 64) -> tuple[dict[str, float], list[dict]]:
+    """Mean gold reward, reward-model score and KL(policy || ref) (summed over each response's tokens) of one
+    sampled response per prompt, plus the samples themselves."""
+    torch.manual_seed(seed)
+    policy.eval()
+    samples, kls = [], []
+    for start in range(0, len(prompts), batch_size):
+        batch_prompts = prompts[start:start + batch_size]
+        query_ids, query_mask = pad_sequences([tokenizer(p)["input_ids"] for p in batch_prompts],
+                                              tokenizer.pad_token_id, "left")
+        query_mask = query_mask.bool()
+        response_ids, response_mask = generate_responses(
+            policy, query_ids, query_mask, max_new_tokens=MAX_RESPONSE_TOKENS, temperature=temperature, top_k=50,
+            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        batch = (query_ids, query_mask, response_ids, response_mask)
+        log_ratio = (response_logprobs(policy, *batch, temperature=temperature)
+                     - response_logprobs(ref, *batch, temperature=temperature))
+        kls += log_ratio.sum(1).tolist()
+        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        samples += [{"prompt": p, "response": r} for p, r in zip(batch_prompts, responses)]
+    responses = [s["response"] for s in samples]
+    gold = task.gold_rewards(prompts, responses)
+    scores = reward_model_scores(reward_model, tokenizer, prompts, responses, batch_size=batch_size,
+                                 max_prompt_length=MAX_PROMPT_TOKENS,
+                                 max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+    for sample, g, s in zip(samples, gold, scores):
+        sample.update(gold_reward=g, rm_reward=s)
+    metrics = {"gold_reward": sum(gold) / len(gold), "rm_reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls)}
+    return metrics, samples
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def run_demo(config: DemoConfig) -> dict:
+    """Run the demo into `config.out` and return the summary (also written to summary.json)."""
+    threads = torch.get_num_threads()
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    try:
+        return _run_demo(config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(config: DemoConfig) -> dict:
+    start = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_yaml(out / "demo_config.yaml")
+    stage_seconds: dict[str, float] = {}
+
+    def stage_done(name: str, since: float) -> float:
+        stage_seconds[name] = round(time.perf_counter() - since, 1)
+        tqdm.write(f"[demo] {name} done in {stage_seconds[name]:.0f} s")
+        return time.perf_counter()
+
+    # ---- data, tokenizer, base model ------------------------------------------------------------
+    clock = time.perf_counter()
+    task = SyntheticTask(TaskConfig(seed=config.task_seed))
+    texts = task.pretraining_texts(config.pretrain_texts, seed=0)
+    tokenizer = train_tokenizer(texts)
+    torch.manual_seed(config.task_seed)
+    base = tiny_llama(tokenizer)
+    pretrain(base, tokenizer, texts, seed=config.task_seed)
+    models = out / "models"
+    base.save_pretrained(models / "base")
+    tokenizer.save_pretrained(models / "base")
+    clock = stage_done("pretrain", clock)
+
+    # ---- SFT and reward model (the repository's trainers) -----------------------------------
+    common = dict(seed=config.task_seed, save_steps=0, max_prompt_length=MAX_PROMPT_TOKENS,
+                  max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1, per_device_batch_size=32)
+    sft_dir, reward_dir = models / "sft", models / "reward"
+    sft = train_sft(SFTConfig(model_name_or_path=str(models / "base"), output_dir=str(sft_dir), learning_rate=1e-3,
+                              **common), task.sft_records(config.sft_records, seed=0), model=base, tokenizer=tokenizer)
+    clock = stage_done("sft", clock)
+    reward_model = train_reward_model(
+        RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), learning_rate=1e-3, eval_steps=0,
+                     **common),
+        task.preference_records(config.preference_records, seed=0), tokenizer=tokenizer)
+    reward_model.requires_grad_(False).eval()
+    clock = stage_done("reward model", clock)
+
+    # ---- PPO and MA-PPO on every seed ----------------------------------------------------------
+    methods = {"ppo": {"termination": "fixed", "ngram": 1}, "ma_ppo": {"termination": "fixed", "ngram": 5}}
+    methods.update(parse_termination(spec) for spec in config.terminations)
+    rl_prompts = task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
+    eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
+    tokenizer.padding_side = "left"
+    sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
+    _write_jsonl(models / "sft" / "eval_samples.jsonl", sft_samples)
+    finals: dict[str, list[dict]] = {method: [] for method in methods}
+    runs = [(method, seed) for method in methods for seed in config.seeds]
+    for method, seed in tqdm(runs, desc="demo runs", leave=True):
+        run_dir = out / "runs" / method / f"seed{seed}"
+        reward_fn = RewardModelWithGold(reward_model, tokenizer, task)
+        ppo_config = PPOConfig(
+            model_name_or_path=str(sft_dir), reward_model_name_or_path=str(reward_dir), output_dir=str(run_dir),
+            seed=seed, save_steps=0, max_steps=config.ppo_steps, per_device_batch_size=config.ppo_batch_size,
+            mini_batch_size=config.ppo_batch_size // 2, learning_rate=config.ppo_learning_rate,
+            critic_learning_rate=config.critic_learning_rate, kl_coef=config.kl_coef,
+            max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=MAX_RESPONSE_TOKENS,
+            max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, **methods[method])
+        policy = train_ppo(ppo_config, rl_prompts, tokenizer=tokenizer, reward_fn=reward_fn)
+        _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
+        metrics, samples = evaluate_policy(policy, sft, reward_model, tokenizer, task, eval_prompts, seed=seed)
+        _write_jsonl(run_dir / "eval_samples.jsonl", samples)
+        finals[method].append(metrics)
+        tqdm.write(f"[demo] {method} seed {seed}: gold {metrics['gold_reward']:.3f}, "
+                   f"RM {metrics['rm_reward']:.3f}, KL {metrics['kl']:.2f}")
+    clock = stage_done("ppo", clock)
+
+    # ---- summary, plot, report -------------------------------------------------------------
+    runs_by_method = {method: load_method_runs(out / "runs" / method, config.seeds, GOLD_FILE) for method in methods}
+    summary = summarize(runs_by_method, finals, list(config.seeds), config.curve_smoothing,
+                        wall_seconds=round(time.perf_counter() - start, 1))
+    summary["sft"] = sft_metrics
+    summary["stage_seconds"] = stage_seconds
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, sft_gold=sft_metrics["gold_reward"])
+    write_report(summary, out / "report.md", "curves.png",
+                 examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in methods}},
+                 task=task)
+    tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
+    return summary
+
+
+def _first_sample(out: Path, method: str, seed: int) -> dict:
+    return json.loads((out / "runs" / method / f"seed{seed}" / "eval_samples.jsonl").read_text().splitlines()[0])

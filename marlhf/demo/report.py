@@ -1,0 +1,152 @@
+"""Summary, plot and Markdown report of PPO against MA-PPO runs on the demo task.
+
+A method's runs (one per seed) are `marlhf.evaluation.plots.RunMetrics` whose rows join the trainer's
+metrics.jsonl with the demo's per-step gold rewards, so the curves use the same grouping and smoothing as
+`marlhf plot`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from marlhf.demo.task import SyntheticTask
+from marlhf.evaluation.plots import RunMetrics, group_curves, pyplot
+from marlhf.logging_utils import METRICS_FILE
+
+BASELINE = "ppo"
+FINAL_KEYS = ("gold_reward", "rm_reward", "kl")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_method_runs(method_dir: str | Path, seeds: list[int] | tuple[int, ...], gold_file: str) -> list[RunMetrics]:
+    """One RunMetrics per seed (METHOD_DIR/seed<k>): trainer metrics and gold rows merged by step."""
+    method_dir = Path(method_dir)
+    runs = []
+    for seed in seeds:
+        run_dir = method_dir / f"seed{seed}"
+        by_step = {row["step"]: dict(row) for row in _read_jsonl(run_dir / METRICS_FILE)}
+        for row in _read_jsonl(run_dir / gold_file):
+            by_step.setdefault(row["step"], {}).update(row)
+        runs.append(RunMetrics(method_dir.name, run_dir, [by_step[s] for s in sorted(by_step)]))
+    return runs
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: list[float]) -> float:
+    mean = _mean(values)
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5  # population std, as group_curves
+
+
+def first_step_reaching(steps, values, target: float) -> int | None:
+    """First step whose value is >= target (None if never)."""
+    return next((int(s) for s, v in zip(steps, values) if v >= target), None)
+
+
+def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], seeds: list[int], smoothing: int,
+              wall_seconds: float) -> dict:
+    """The demo's summary.json.
+
+    `finals[method]` holds one {"gold_reward", "rm_reward", "kl"} per seed: the evaluation on held-out prompts
+    after the last step. `steps_to_parity` is the first step at which the method's seed-mean gold reward of
+    its training rollouts (moving average over `smoothing` steps) reaches PPO's final value of the same curve;
+    `speedup_vs_ppo` is PPO's steps_to_parity divided by the method's (> 1: fewer steps than PPO).
+    """
+    if BASELINE not in runs:
+        raise ValueError(f"runs must include the baseline method {BASELINE!r}, got {sorted(runs)}")
+    curves = {method: group_curves(method_runs, "gold_reward", smoothing)[method] for method, method_runs in runs.items()}
+    target = float(curves[BASELINE].mean[-1])
+    methods = {}
+    for method, curve in curves.items():
+        entry: dict = {f"{key}_final": _mean([f[key] for f in finals[method]]) for key in FINAL_KEYS}
+        entry.update({f"{key}_final_std": _std([f[key] for f in finals[method]]) for key in FINAL_KEYS})
+        entry["train_gold_reward_final"] = float(curve.mean[-1])
+        entry["steps_to_parity"] = first_step_reaching(curve.steps, curve.mean, target)
+        entry["per_seed"] = {str(seed): final for seed, final in zip(seeds, finals[method])}
+        methods[method] = entry
+    baseline_parity = methods[BASELINE]["steps_to_parity"]
+    for entry in methods.values():
+        parity = entry["steps_to_parity"]
+        entry["speedup_vs_ppo"] = baseline_parity / parity if parity else None
+    return {"methods": methods, "seeds": list(seeds), "parity_target_gold_reward": target,
+            "wall_seconds": wall_seconds}
+
+
+def plot_curves(runs: dict[str, list[RunMetrics]], path: str | Path, smoothing: int,
+                sft_gold: float | None = None) -> None:
+    """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    titles = {"gold_reward": "gold reward", "rm_reward": "reward-model score"}
+    for ax, (key, title) in zip(axes, titles.items()):
+        for method, method_runs in runs.items():
+            curve = group_curves(method_runs, key, smoothing)[method]
+            (line,) = ax.plot(curve.steps, curve.mean, label=f"{method} ({curve.num_runs} seeds)")
+            ax.fill_between(curve.steps, curve.mean - curve.std, curve.mean + curve.std, color=line.get_color(),
+                            alpha=0.2)
+        if key == "gold_reward" and sft_gold is not None:
+            ax.axhline(sft_gold, color="gray", linestyle="--", linewidth=1, label="SFT (held-out)")
+        ax.set_title(f"{title} of the rollouts ({smoothing}-step moving average)", fontsize=10)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def mark_words(task: SyntheticTask, response: str) -> str:
+    """Markdown of a response with each word's gold class: **bright**, plain, ~~dark~~, `invalid`."""
+    marked = []
+    for word in response.split():
+        word_class = task.word_class.get(word)
+        marked.append({"bright": f"**{word}**", "plain": word, "dark": f"~~{word}~~", None: f"`{word}`"}[word_class])
+    return " ".join(marked)
+
+
+def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict[str, dict],
+                 task: SyntheticTask) -> None:
+    """report.md: what was run, the plot, one table row per method, one marked-up sample per model."""
+    sft = summary["sft"]
+    lines = [
+        "# marlhf demo: token-level PPO against MA-PPO on a synthetic task with a gold reward",
+        "",
+        f"Seeds {', '.join(str(s) for s in summary['seeds'])}; wall time {summary['wall_seconds']:.0f} s "
+        f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
+        "PPO optimises the reward model's score; the gold reward (in [-1, 1]) is the task's true objective.",
+        "",
+        f"![gold and reward-model reward against step]({plot_name})",
+        "",
+        "Final evaluation on held-out prompts (one sample per prompt, temperature 0.8), mean ± std over seeds:",
+        "",
+        "| method | gold reward | RM score | KL to SFT | train gold (final) | steps to PPO's final gold | speed-up |",
+        "|---|---|---|---|---|---|---|",
+        f"| SFT (start) | {sft['gold_reward']:.3f} | {sft['rm_reward']:.3f} | 0 | - | - | - |",
+    ]
+    for method, entry in summary["methods"].items():
+        parity, speedup = entry["steps_to_parity"], entry["speedup_vs_ppo"]
+        lines.append(
+            f"| {method} | {entry['gold_reward_final']:.3f} ± {entry['gold_reward_final_std']:.3f} "
+            f"| {entry['rm_reward_final']:.3f} ± {entry['rm_reward_final_std']:.3f} "
+            f"| {entry['kl_final']:.2f} | {entry['train_gold_reward_final']:.3f} "
+            f"| {'never' if parity is None else parity} | {'-' if speedup is None else f'{speedup:.2f}x'} |")
+    lines += [
+        "",
+        f"Steps to parity: first step at which a method's seed-mean gold reward of its training rollouts "
+        f"(moving average) reaches PPO's final value of that curve, {summary['parity_target_gold_reward']:.3f}. "
+        "Speed-up: PPO's steps to parity over the method's (the paper reports 1.7-2x for MA-PPO).",
+        "",
+        "## Samples (held-out prompt, first seed)",
+        "",
+        "**bright** words score +1, plain 0, ~~dark~~ -1, `invalid` words -1.",
+        "",
+    ]
+    for name, sample in examples.items():
+        lines += [f"- {name} (gold {sample['gold_reward']:.2f}): {mark_words(task, sample['response'])}"]
+    lines.append("")
+    Path(path).write_text("\n".join(lines))

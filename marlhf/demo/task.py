@@ -1,0 +1,167 @@
+"""The demo's synthetic task: a tiny language whose words span several tokens, with a known gold reward.
+
+Words are 2-4 syllables long (a syllable is a consonant and a vowel). Every word of the lexicon belongs
+to one of three classes, assigned at random, so no single syllable (and no single token) tells the class:
+"bright" words score +1, "plain" words 0, "dark" words -1. Strings outside the lexicon score -1 too.
+
+gold reward of a response = (1/W) * sum over its first W words of the word scores, with W = `num_words`
+(20 by default) and a bright word scoring 0 after its second use (so repeating one word does not pay).
+Missing words score 0, so short responses lose. The reward comes only at the end of a response of about 60 tokens
+and depends on whole words scattered all over it: that is the credit assignment problem of RLHF in
+miniature.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+CONSONANTS = "klmnrstv"
+VOWELS = "ao"
+SYLLABLES = tuple(c + v for c in CONSONANTS for v in VOWELS)
+CLASSES = ("bright", "plain", "dark")
+CLASS_SCORES = {"bright": 1.0, "plain": 0.0, "dark": -1.0}
+INVALID_SCORE = -1.0
+SEPARATOR = "|"  # ends every prompt; a word of its own for the tokenizer
+MAX_BRIGHT_USES = 2  # a bright word scores only on its first uses
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Shape of the synthetic task. The defaults are what `marlhf demo` uses."""
+
+    words_per_class: int = 16
+    prompt_words: int = 8
+    num_words: int = 20  # W: response length of demonstrations and number of words the gold reward reads
+    typo_rate: float = 0.05  # share of invalid words in SFT demonstrations
+    preference_temperature: float = 0.1  # Bradley-Terry noise of the gold labeller
+    seed: int = 1234
+
+
+class SyntheticTask:
+    """Lexicon, gold reward and data generators of the demo. Everything is a pure function of `config.seed`."""
+
+    def __init__(self, config: TaskConfig | None = None):
+        self.config = config or TaskConfig()
+        if self.config.words_per_class < MAX_BRIGHT_USES or self.config.num_words < 1:
+            raise ValueError("config: words_per_class must be >= 2 and num_words >= 1")
+        rng = random.Random(self.config.seed)
+        num_words = self.config.words_per_class * len(CLASSES)
+        words: set[str] = set()
+        while len(words) < num_words:
+            words.add("".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3, 3, 4)))))
+        shuffled = sorted(words)
+        rng.shuffle(shuffled)
+        k = self.config.words_per_class
+        self.words_by_class = {c: tuple(sorted(shuffled[i * k : (i + 1) * k])) for i, c in enumerate(CLASSES)}
+        self.word_class = {w: c for c, ws in self.words_by_class.items() for w in ws}
+
+    # ---------------------------------------------------------------- gold reward
+    def word_scores(self, response: str) -> list[float]:
+        """Score of each of the first `num_words` words of `response` (whitespace separated)."""
+        scores = []
+        uses: Counter[str] = Counter()
+        for word in response.split()[: self.config.num_words]:
+            word_class = self.word_class.get(word)
+            if word_class is None:
+                scores.append(INVALID_SCORE)
+                continue
+            uses[word] += 1
+            if word_class == "bright" and uses[word] > MAX_BRIGHT_USES:
+                scores.append(0.0)
+            else:
+                scores.append(CLASS_SCORES[word_class])
+        return scores
+
+    def gold_reward(self, response: str) -> float:
+        """Gold reward in [-1, 1]; 1 means `num_words` bright words, none used more than twice."""
+        return sum(self.word_scores(response)) / self.config.num_words
+
+    def gold_rewards(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """Batch form, with the (prompt, response) signature of an external reward function."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"prompts and responses differ in length: {len(prompts)} != {len(responses)}")
+        return [self.gold_reward(r) for r in responses]
+
+    # ---------------------------------------------------------------- generators
+    def _invalid_word(self, rng: random.Random) -> str:
+        while True:
+            word = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3, 4))))
+            if word not in self.word_class:
+                return word
+
+    def _words(self, rng: random.Random, n: int, class_probs: dict[str, float], typo_rate: float) -> list[str]:
+        out = []
+        for _ in range(n):
+            if rng.random() < typo_rate:
+                out.append(self._invalid_word(rng))
+            else:
+                word_class = rng.choices(CLASSES, weights=[class_probs[c] for c in CLASSES])[0]
+                out.append(rng.choice(self.words_by_class[word_class]))
+        return out
+
+    def _prompt(self, rng: random.Random) -> tuple[str, dict[str, float]]:
+        """A prompt and its class mix (a Dirichlet draw, so prompts lean towards different classes)."""
+        draws = [rng.gammavariate(1.0, 1.0) for _ in CLASSES]
+        mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
+        return " ".join(self._words(rng, self.config.prompt_words, mix, 0.0)) + " " + SEPARATOR, mix
+
+    def _demonstration_mix(self, prompt_mix: dict[str, float]) -> dict[str, float]:
+        # The demonstrator half follows the prompt's mix, half a fixed mediocre one: imperfect on purpose.
+        base = {"bright": 0.4, "plain": 0.35, "dark": 0.25}
+        return {c: 0.5 * prompt_mix[c] + 0.5 * base[c] for c in CLASSES}
+
+    def prompts(self, n: int, seed: int) -> list[dict]:
+        """`n` RL / evaluation records {"prompt"}; different seeds give disjoint-in-practice prompt sets."""
+        rng = random.Random(f"prompts-{self.config.seed}-{seed}")
+        return [{"prompt": self._prompt(rng)[0]} for _ in range(n)]
+
+    def pretraining_texts(self, n: int, seed: int) -> list[str]:
+        """Prompt and response joined, responses drawn with uniform class mix and no typos."""
+        rng = random.Random(f"pretrain-{self.config.seed}-{seed}")
+        uniform = {c: 1 / len(CLASSES) for c in CLASSES}
+        texts = []
+        for _ in range(n):
+            prompt, _ = self._prompt(rng)
+            texts.append(prompt + " " + " ".join(self._words(rng, self.config.num_words, uniform, 0.0)))
+        return texts
+
+    def sft_records(self, n: int, seed: int) -> list[dict]:
+        """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1."""
+        rng = random.Random(f"sft-{self.config.seed}-{seed}")
+        records = []
+        for _ in range(n):
+            prompt, mix = self._prompt(rng)
+            words = self._words(rng, self.config.num_words, self._demonstration_mix(mix), self.config.typo_rate)
+            records.append({"prompt": prompt, "response": " ".join(words)})
+        return records
+
+    def preference_records(self, n: int, seed: int) -> list[dict]:
+        """Pairs {"prompt", "chosen", "rejected"} labelled by the gold reward with Bradley-Terry noise.
+
+        Each response draws its own class mix, length and vocabulary, so the pairs cover what a policy may
+        drift to: the whole gold range, short responses and repeated words (which the gold reward does not pay).
+        """
+        rng = random.Random(f"preferences-{self.config.seed}-{seed}")
+        temperature = self.config.preference_temperature
+        records = []
+        while len(records) < n:
+            prompt, _ = self._prompt(rng)
+            pair = []
+            for _ in range(2):
+                draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
+                mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
+                length = rng.randint(self.config.num_words // 2, self.config.num_words)
+                words = self._words(rng, length, mix, rng.uniform(0.0, 0.15))
+                if rng.random() < 0.3:  # a response that keeps repeating a few words
+                    words = [rng.choice(words[:3]) for _ in words]
+                pair.append(" ".join(words))
+            gap = self.gold_reward(pair[0]) - self.gold_reward(pair[1])
+            if gap == 0.0:
+                continue
+            first_preferred = rng.random() < 1.0 / (1.0 + math.exp(-gap / temperature))
+            chosen, rejected = pair if first_preferred else pair[::-1]
+            records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        return records
