@@ -88,7 +88,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir
     crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
     crashed.save_yaml(tmp_path / "crashed.yaml")
     (tmp_path / "records.json").write_text(json.dumps(tiny_records["sft"]))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}  # one thread, as in this process
     child = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "crashed.yaml"),
                             str(tmp_path / "records.json"), "5"], env=env, cwd=REPO_ROOT, capture_output=True,
                            text=True, timeout=120)

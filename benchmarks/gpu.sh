@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# PPO step throughput of marlhf on one GPU for a ~110M-parameter Llama built from a config (random weights,
+# nothing downloaded): policy, reference, critic and reward model of that size, bf16 autocast, token-level
+# macro actions of n=5 (the paper's default rule). Prints the GPU name, the parameter count, steps/s,
+# sampled tokens/s and peak GPU memory, from the time/* metrics of train_ppo after warm-up steps.
+#
+#   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
+#   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
+#   BATCH=64 NEW_TOKENS=256 STEPS=10 bash benchmarks/gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+TINY=0
+if [[ "${1:-}" == "--tiny" ]]; then TINY=1; fi
+TINY=$TINY BATCH=${BATCH:-32} NEW_TOKENS=${NEW_TOKENS:-128} STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} \
+  TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" - <<'PY'
+import os
+import random
+import statistics
+import tempfile
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from marlhf.logging_utils import read_metrics
+from marlhf.modeling import ScalarHeadModel
+from marlhf.trainers.ppo import PPOConfig, train_ppo
+
+hf_logging.set_verbosity_error()
+tiny = os.environ["TINY"] == "1"
+batch, new_tokens = (4, 8) if tiny else (int(os.environ["BATCH"]), int(os.environ["NEW_TOKENS"]))
+steps, warmup = (2, 0) if tiny else (int(os.environ["STEPS"]), int(os.environ["WARMUP"]))
+vocab_size = 512 if tiny else 16384
+if not tiny and not torch.cuda.is_available():
+    raise SystemExit("no GPU found: run on a GPU machine, or pass --tiny for a CPU smoke test")
+
+specials = ["<pad>", "<s>", "</s>"]
+vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(vocab_size - len(specials))])}
+backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if tiny else
+        dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12))
+
+
+def llama(seed):
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, tie_word_embeddings=False,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, **size)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+policy = llama(0)
+reward_model = ScalarHeadModel(llama(1).model)
+rng = random.Random(0)
+prompts = [{"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(rng.randint(32, 64)))}
+           for _ in range(batch * (steps + warmup))]
+on_gpu = torch.cuda.is_available()
+with tempfile.TemporaryDirectory() as output_dir:
+    config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=batch,
+                       mini_batch_size=batch, max_prompt_length=64, max_response_length=new_tokens,
+                       max_length=64 + new_tokens, max_steps=steps + warmup, ngram=5, save_steps=0,
+                       mixed_precision="bf16" if on_gpu else "no", learning_rate=1e-5, critic_learning_rate=1e-5)
+    train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
+    metrics = read_metrics(output_dir)[warmup:]
+
+device = torch.cuda.get_device_name() if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
+parameters = sum(p.numel() for p in policy.parameters())
+seconds = statistics.mean(m["time/step_seconds"] for m in metrics)
+tokens = statistics.mean(m["objective/response_length"] for m in metrics) * batch
+print(f"device: {device}")
+print(f"policy {parameters / 1e6:.1f}M parameters (x4 models), batch {batch}, {new_tokens} new tokens, "
+      f"{len(metrics)} steps after {warmup} warm-up")
+for phase in ("generation", "scoring", "update"):
+    print(f"  time/{phase}: {statistics.mean(m[f'time/{phase}'] for m in metrics):.3f} s")
+print(f"PPO throughput: {1 / seconds:.3f} steps/s, {tokens / seconds:.0f} sampled tokens/s")
+if on_gpu:
+    print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+PY
