@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from marlhf._checks import check_like, check_mask
+from marlhf.parsing import parsing  # the parse-tree rule lives with its parsers; spaCy loads lazily
 
 __all__ = [
     "fixed_ngram",
@@ -123,13 +124,6 @@ def perplexity(mask: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
             seg_sum = np.where(starts, nll[:, t], seg_sum + nll[:, t])
             seg_len = np.where(starts, 1.0, seg_len + 1.0)
     return torch.from_numpy(ids).to(mask.device).masked_fill(~mask, -1)
-
-
-def parsing(*args, **kwargs):
-    """Parsing-based termination; see :func:`marlhf.parsing.parsing`."""
-    from marlhf.parsing import parsing as _parsing  # spaCy is heavy: import only when used
-
-    return _parsing(*args, **kwargs)
 
 
 def split_last_token(segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
