@@ -15,7 +15,8 @@ API:
     encode_prompt_response(tokenizer, prompt, response, max_prompt_length, max_length) -> (token ids, prompt length)
     collate_prompt_response(examples, pad_token_id, device) -> {"input_ids", "attention_mask", "response_mask"}
     require_fields(records, ("prompt", "response"), "sft")   # ValueError naming the record and field
-    accumulation_context(accelerator, model, is_last_micro_batch); clip_gradients(accelerator, model, max_norm) -> norm
+    accumulation_context(accelerator, model, is_last_micro_batch)
+    grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm)
 
 A step is one optimizer step over per_device_batch_size x gradient_accumulation_steps x num_processes
 records. The record order depends only on (seed, epoch), so a resumed run sees exactly the batches the
@@ -175,6 +176,13 @@ def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_la
     return contextlib.nullcontext() if is_last_micro_batch else accelerator.no_sync(model)
 
 
-def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:
-    """Clip (when max_grad_norm is set) and return the total gradient norm before clipping."""
-    return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)
+def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                   max_grad_norm: float | None) -> tuple[torch.Tensor, float]:
+    """Clip the gradients (when max_grad_norm is set), step the optimizer and the schedule, zero the
+    gradients. Returns the gradient norm before clipping and the learning rate the step used."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)
+    learning_rate = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return grad_norm, learning_rate

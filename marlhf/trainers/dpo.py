@@ -18,9 +18,9 @@ from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import dpo_loss
 from marlhf.modeling import load_causal_lm, load_tokenizer, sequence_logprobs
-from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, make_accelerator, make_optimizer,
-                                    make_scheduler, maybe_save_checkpoint, records_from_config, require_fields,
-                                    save_final_model, start_run)
+from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
+                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
+                                    require_fields, save_final_model, start_run)
 from marlhf.trainers.reward import PAIR_FIELDS, collate_pairs, encode_pairs
 
 
@@ -79,11 +79,7 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
                                        beta=config.beta, label_smoothing=config.label_smoothing)
                 accelerator.backward(loss / len(micro_batches))
             step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm = clip_gradients(accelerator, model, config.max_grad_norm)
-        learning_rate = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
 
         done = step + 1
         if done % config.logging_steps == 0 or done == plan.total_steps:

@@ -52,8 +52,8 @@ from marlhf.modeling import (LLAMA_ATTENTION, AdaptersDisabled, ScalarHeadModel,
 from marlhf.rewards import code_rewards
 from marlhf.rollout import Rollout, RewardFn, generate_responses, response_logprobs, response_values, score_responses
 from marlhf.segments import fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token
-from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, make_accelerator,
-                                    make_optimizer, make_scheduler, maybe_save_checkpoint, records_from_config,
+from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
+                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
                                     require_fields, save_final_model, start_run)
 
 
@@ -426,10 +426,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                     for name, value in stats.items():
                         update_stats.setdefault(name, []).append(value)
                 for model, optimizer, scheduler in updaters:
-                    clip_gradients(accelerator, model, config.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
+                    optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
         update_end = _clock(device)
 
         # ---- 6. metrics and checkpoint ---------------------------------------------------------

@@ -21,10 +21,10 @@ from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import bradley_terry_loss
 from marlhf.modeling import ScalarHeadModel, last_token_index, load_tokenizer
-from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, collate_prompt_response,
+from marlhf.trainers.common import (BatchPlan, accumulation_context, collate_prompt_response,
                                     encode_prompt_response, make_accelerator, make_optimizer, make_scheduler,
-                                    maybe_save_checkpoint, records_from_config, require_fields, save_final_model,
-                                    start_run)
+                                    maybe_save_checkpoint, optimizer_step, records_from_config, require_fields,
+                                    save_final_model, start_run)
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 Pair = tuple[tuple[list[int], int], tuple[list[int], int]]
@@ -128,11 +128,7 @@ def train_reward_model(config: RewardConfig, records: list[dict[str, Any]] | Non
                 loss, stats = bradley_terry_loss(*pair_scores(model, batch))
                 accelerator.backward(loss / len(micro_batches))
             step_stats.append(torch.stack([loss.detach(), stats["accuracy"], stats["margin"]]))
-        grad_norm = clip_gradients(accelerator, model, config.max_grad_norm)
-        learning_rate = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
 
         done = step + 1
         metrics = {}

@@ -15,10 +15,10 @@ from tqdm.auto import tqdm
 from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
 from marlhf.modeling import load_causal_lm, load_tokenizer
-from marlhf.trainers.common import (BatchPlan, accumulation_context, clip_gradients, collate_prompt_response,
+from marlhf.trainers.common import (BatchPlan, accumulation_context, collate_prompt_response,
                                     encode_prompt_response, make_accelerator, make_optimizer, make_scheduler,
-                                    maybe_save_checkpoint, records_from_config, require_fields, save_final_model,
-                                    start_run)
+                                    maybe_save_checkpoint, optimizer_step, records_from_config, require_fields,
+                                    save_final_model, start_run)
 
 IGNORE_INDEX = -100  # label value the Hugging Face loss skips
 
@@ -69,11 +69,7 @@ def train_sft(config: SFTConfig, records: list[dict[str, Any]] | None = None, mo
                 loss = model(**batch, use_cache=False).loss
                 accelerator.backward(loss / len(micro_batches))
             losses.append(loss.detach())
-        grad_norm = clip_gradients(accelerator, model, config.max_grad_norm)
-        learning_rate = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
 
         done = step + 1
         if done % config.logging_steps == 0 or done == plan.total_steps:
