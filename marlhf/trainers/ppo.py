@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from marlhf.advantages import grpo, kl_penalized_rewards, macro_gae, reinforce, rloo, whiten
 from marlhf.config import TrainingConfig, option
+from marlhf.evaluation.repetition import token_repetition
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, value_loss
 from marlhf.modeling import (LLAMA_ATTENTION, AdaptersDisabled, ScalarHeadModel, add_lora, load_causal_lm,
@@ -439,6 +440,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 "objective/entropy": torch.where(mask, -rollout.logprobs, 0.0).sum(1).mean(),
                 "objective/rm_score": rollout.scores.mean(),
                 "objective/response_length": mask.sum(1).float().mean(),
+                "objective/repetition": token_repetition(rollout.response_ids, mask).mean(),
                 **{name: torch.stack(values).mean() for name, values in update_stats.items()},
                 "val/advantage_l2": _row_l2(advantages, mask),
                 "macro/mean_segment_length": mask.sum() / num_segments(segment_ids).sum(),

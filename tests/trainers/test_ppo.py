@@ -51,7 +51,7 @@ def test_reward_rises(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.5, scores
     expected = {"objective/kl", "objective/entropy", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
                 "val/advantage_l2", "val/return_l2", "time/step_seconds", "macro/mean_segment_length", "loss/policy",
-                "loss/value", "time/generation", "time/scoring", "time/update"}
+                "loss/value", "time/generation", "time/scoring", "time/update", "objective/repetition"}
     assert expected <= set(metrics[0])
     assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
     assert metrics[-1]["objective/kl"] != 0.0
