@@ -12,7 +12,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
     DemoConfig.add_arguments(parser)
     parser.add_argument("--quick", action="store_true",
-                        help="shortened run (under a minute): one seed, few steps, for the options left at their defaults")
+                        help="shortened run (under a minute): one seed, few steps; applies to the options left at "
+                             "their defaults")
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:

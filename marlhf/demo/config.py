@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from marlhf.config import ConfigBase, option
 
@@ -18,24 +18,28 @@ class DemoConfig(ConfigBase):
         (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:inf, randomized, "
             "perplexity")
     task_seed: int = option(1234, "seed of the lexicon and of every data set")
-    pretrain_texts: int = option(12000, "pre-training texts (one epoch)", ge=64)
+    pretrain_texts: int = option(8000, "pre-training texts (one epoch)", ge=64)
     sft_records: int = option(3000, "SFT demonstrations (one epoch)", ge=32)
     preference_records: int = option(4000, "preference pairs for the reward model (one epoch)", ge=64)
     ppo_steps: int = option(50, "PPO steps per run", ge=1)
-    ppo_batch_size: int = option(32, "prompts (= responses) per PPO step", ge=2)
+    ppo_batch_size: int = option(32, "prompts (= responses) per PPO step; two mini-batches of half", ge=2)
     ppo_learning_rate: float = option(3e-4, "policy learning rate", gt=0)
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
+    critic_init: Literal["reward", "sft"] = option(
+        "reward", "critic initialisation: the reward model (the paper's choice) or the SFT model with a fresh head")
     kl_coef: float = option(0.05, "KL penalty coefficient", ge=0)
     eval_prompts: int = option(128, "held-out prompts of the final evaluation", ge=1)
     num_threads: int | None = option(
-        1, "torch CPU threads while the demo runs (none: leave torch's setting); the model is so small that one "
-           "thread is as fast as two, and much faster when other processes share the cores", ge=1)
+        1, "torch CPU threads while the demo runs (none: leave torch's setting); with other processes on a 2-core "
+           "machine one thread pre-trained 3x faster than two", ge=1)
     curve_smoothing: int = option(5, "moving-average window (steps) of the gold curves and of steps_to_parity", ge=1)
 
     def validate(self) -> None:
         super().validate()
         if len(set(self.seeds)) != len(self.seeds) or not self.seeds:
             raise ValueError(f"seeds must be distinct and not empty, got {self.seeds}")
+        if self.ppo_batch_size % 2:
+            raise ValueError(f"ppo_batch_size must be even (two PPO mini-batches), got {self.ppo_batch_size}")
         methods = [parse_termination(spec)[0] for spec in self.terminations]
         if len(set(methods)) != len(methods) or set(methods) & {"ppo", "ma_ppo"}:
             raise ValueError(f"terminations repeat a method (ppo and ma_ppo always run): {self.terminations}")
@@ -43,8 +47,8 @@ class DemoConfig(ConfigBase):
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
         """A shortened run (under a minute on 2 cores) for tests and a first look."""
-        values = dict(seeds=(0,), pretrain_texts=1024, sft_records=256, preference_records=512, ppo_steps=6,
-                      ppo_batch_size=16, eval_prompts=16, curve_smoothing=2)
+        values = dict(seeds=(0,), pretrain_texts=2048, sft_records=512, preference_records=1024, ppo_steps=12,
+                      ppo_batch_size=16, ppo_learning_rate=1e-3, eval_prompts=16, curve_smoothing=2)
         return cls(**{**values, **overrides})
 
 

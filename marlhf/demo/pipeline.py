@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 
@@ -53,7 +54,8 @@ class RewardModelWithGold:
 
 @torch.no_grad()
 def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask, prompts: list[str],
-                    *, seed: int, temperature: float = 0.8, batch_size: int = 64) -> tuple[dict[str, float], list[dict]]:
+                    *, seed: int, temperature: float = 0.8,
+                    batch_size: int = 64) -> tuple[dict[str, float], list[dict]]:
     """Mean gold reward, reward-model score and KL(policy || ref) (summed over each response's tokens) of one
     sampled response per prompt, plus the samples themselves."""
     torch.manual_seed(seed)
@@ -143,7 +145,6 @@ def _run_demo(config: DemoConfig) -> dict:
     methods.update(parse_termination(spec) for spec in config.terminations)
     rl_prompts = task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
-    tokenizer.padding_side = "left"
     sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
     _write_jsonl(models / "sft" / "eval_samples.jsonl", sft_samples)
     finals: dict[str, list[dict]] = {method: [] for method in methods}
@@ -156,6 +157,7 @@ def _run_demo(config: DemoConfig) -> dict:
             seed=seed, save_steps=0, max_steps=config.ppo_steps, per_device_batch_size=config.ppo_batch_size,
             mini_batch_size=config.ppo_batch_size // 2, learning_rate=config.ppo_learning_rate,
             critic_learning_rate=config.critic_learning_rate, kl_coef=config.kl_coef,
+            critic_model_name_or_path=str(sft_dir if config.critic_init == "sft" else reward_dir),
             max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=MAX_RESPONSE_TOKENS,
             max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, **methods[method])
         policy = train_ppo(ppo_config, rl_prompts, tokenizer=tokenizer, reward_fn=reward_fn)

@@ -60,7 +60,8 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
     """
     if BASELINE not in runs:
         raise ValueError(f"runs must include the baseline method {BASELINE!r}, got {sorted(runs)}")
-    curves = {method: group_curves(method_runs, "gold_reward", smoothing)[method] for method, method_runs in runs.items()}
+    curves = {method: group_curves(method_runs, "gold_reward", smoothing)[method]
+              for method, method_runs in runs.items()}
     target = float(curves[BASELINE].mean[-1])
     methods = {}
     for method, curve in curves.items():

@@ -8,6 +8,8 @@ gives the same tokens as tokenizing their concatenation.
 
 from __future__ import annotations
 
+import json
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -30,10 +32,24 @@ def train_tokenizer(texts: list[str], vocab_size: int = 60) -> PreTrainedTokeniz
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=_with_canonical_ids(tokenizer),
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
         padding_side="left",
     )
+
+
+def _with_canonical_ids(tokenizer: Tokenizer) -> Tokenizer:
+    """The trainer numbers the single characters in hash order, which changes from process to process
+    (the merges do not): renumber them in sorted order so the same texts always give the same token ids."""
+    data = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merged = {a + b.removeprefix(CONTINUATION_PREFIX)
+              for a, b in (m.split(" ") if isinstance(m, str) else m for m in data["model"]["merges"])}
+    specials = sorted((t for t in vocab if t in (PAD, BOS, EOS, UNK)), key=vocab.get)
+    alphabet = sorted(t for t in vocab if t not in merged and t not in specials)
+    merges_in_order = sorted((t for t in merged if t in vocab), key=vocab.get)
+    data["model"]["vocab"] = {t: i for i, t in enumerate(specials + alphabet + merges_in_order)}
+    return Tokenizer.from_str(json.dumps(data))

@@ -1,0 +1,91 @@
+"""`marlhf demo --quick` end to end: every file written, summary schema, the reward-model score rises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from marlhf import cli
+from marlhf.demo import DemoConfig, run_demo
+
+METHODS = ("ppo", "ma_ppo")
+EXTRA = ("fixed:inf", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
+EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")
+STEPS = DemoConfig.quick().ppo_steps
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA))
+    return out, summary
+
+
+def test_every_file_is_written(demo_run):
+    out, _ = demo_run
+    for name in ("summary.json", "curves.png", "report.md", "demo_config.yaml"):
+        assert (out / name).stat().st_size > 0, name
+    for stage in ("base", "sft", "reward"):
+        assert (out / "models" / stage / "config.json").is_file(), stage
+    for method in METHODS + EXTRA_METHODS:
+        run_dir = out / "runs" / method / "seed0"
+        for name in ("metrics.jsonl", "gold.jsonl", "eval_samples.jsonl", "config.yaml"):
+            assert (run_dir / name).stat().st_size > 0, (method, name)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "![" in report and "curves.png" in report
+    assert all(f"| {m} |" in report for m in METHODS + EXTRA_METHODS)
+
+
+def test_summary_schema(demo_run):
+    out, summary = demo_run
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert set(summary["methods"]) == set(METHODS + EXTRA_METHODS)
+    assert isinstance(summary["wall_seconds"], float) and summary["wall_seconds"] > 0
+    for entry in summary["methods"].values():
+        for key in ("gold_reward_final", "rm_reward_final", "kl_final"):
+            assert isinstance(entry[key], float), key
+        assert -1.0 <= entry["gold_reward_final"] <= 1.0
+        assert entry["steps_to_parity"] is None or 1 <= entry["steps_to_parity"] <= STEPS
+    assert summary["methods"]["ppo"]["steps_to_parity"] is not None  # PPO reaches its own final value
+
+
+def test_logs_have_one_row_per_step(demo_run):
+    out, _ = demo_run
+    for method in METHODS + EXTRA_METHODS:
+        run_dir = out / "runs" / method / "seed0"
+        gold = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
+        trainer = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in gold] == [row["step"] for row in trainer] == list(range(1, STEPS + 1))
+        # The reward function's RM scores are the ones PPO logged.
+        for g, t in zip(gold, trainer):
+            assert g["rm_reward"] == pytest.approx(t["objective/rm_score"], abs=1e-4)
+        # Each method segmented its responses by its own rule.
+        lengths = [t["macro/mean_segment_length"] for t in trainer]
+        if method == "ppo":
+            assert lengths == [1.0] * STEPS
+        elif method == "ma_ppo":
+            assert all(1.0 < x <= 5.0 for x in lengths)
+        elif method == "ma_ppo_fixed_inf":  # one segment per response
+            assert lengths == pytest.approx([t["objective/response_length"] for t in trainer])
+
+
+def test_reward_model_score_rises_during_ppo(demo_run):
+    out, summary = demo_run
+    for method in METHODS:
+        rows = [json.loads(line) for line in (out / "runs" / method / "seed0" / "gold.jsonl").read_text().splitlines()]
+        first, last = rows[:3], rows[-3:]
+        assert sum(r["rm_reward"] for r in last) > sum(r["rm_reward"] for r in first), method
+        assert summary["methods"][method]["rm_reward_final"] > summary["sft"]["rm_reward"], method
+
+
+def test_command_line_quick_preset_keeps_given_options(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr("marlhf.demo.pipeline.run_demo", seen.append)
+    assert cli.main(["demo", "--out", str(tmp_path), "--quick", "--seeds", "3", "--terminations", "randomized"]) == 0
+    (config,) = seen
+    assert config.out == str(tmp_path) and config.seeds == (3,) and config.terminations == ("randomized",)
+    assert config.ppo_steps == DemoConfig.quick().ppo_steps
+    cli.main(["demo", "--out", str(tmp_path), "--ppo_steps", "7"])
+    assert seen[-1].ppo_steps == 7 and seen[-1].seeds == DemoConfig().seeds

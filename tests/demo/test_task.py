@@ -1,0 +1,129 @@
+"""The demo task: gold reward, data generators, tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from marlhf.demo.task import CLASSES, SEPARATOR, SYLLABLES, SyntheticTask, TaskConfig
+from marlhf.demo.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def task():
+    return SyntheticTask()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(task):
+    return train_tokenizer(task.pretraining_texts(2000, seed=0))
+
+
+def reference_gold(task: SyntheticTask, response: str) -> float:
+    """Word by word, as the README states the rule."""
+    total, uses = 0.0, {}
+    for word in response.split()[: task.config.num_words]:
+        if word in task.words_by_class["bright"]:
+            uses[word] = uses.get(word, 0) + 1
+            total += 1.0 if uses[word] <= 2 else 0.0
+        elif word in task.words_by_class["dark"] or word not in task.word_class:
+            total -= 1.0
+    return total / task.config.num_words
+
+
+def test_lexicon_classes_are_disjoint_and_not_given_by_one_syllable(task):
+    words = [w for c in CLASSES for w in task.words_by_class[c]]
+    assert len(words) == len(set(words)) == 3 * task.config.words_per_class
+    for word in words:
+        pieces = [word[i:i + 2] for i in range(0, len(word), 2)]
+        assert 2 <= len(pieces) <= 4 and all(p in SYLLABLES for p in pieces)
+    # No first or last syllable tells the class: some syllable starts (and ends) words of every class.
+    for position in (0, -2):
+        classes_by_syllable = {}
+        for word in words:
+            classes_by_syllable.setdefault(word[position:][:2], set()).add(task.word_class[word])
+        assert max(len(c) for c in classes_by_syllable.values()) == 3
+
+
+def test_gold_reward_hand_computed(task):
+    bright, plain, dark = (task.words_by_class[c] for c in CLASSES)
+    w = task.config.num_words
+    assert task.gold_reward(" ".join(bright[i % 16] for i in range(w))) == 1.0  # 16 words, none used thrice
+    assert task.gold_reward(" ".join([bright[0]] * 4)) == 2 / w  # third and fourth uses score 0
+    assert task.gold_reward(f"{plain[0]} {dark[0]} zzzz {bright[1]}") == (0 - 1 - 1 + 1) / w
+    assert task.gold_reward("") == 0.0  # missing words score 0
+    assert task.gold_reward(" ".join([dark[0]] * w + [bright[0]] * 5)) == -1.0  # words beyond W are not read
+
+
+def test_gold_reward_matches_reference_on_generated_text(task):
+    records = task.sft_records(300, seed=3) + task.sft_records(50, seed=4)
+    for record in records:
+        response = record["response"]
+        truncated = " ".join(response.split()[:7])
+        for text in (response, truncated, response + " " + response):
+            assert task.gold_reward(text) == pytest.approx(reference_gold(task, text))
+
+
+def test_gold_rewards_checks_lengths(task):
+    with pytest.raises(ValueError, match="prompts and responses"):
+        task.gold_rewards(["a"], [])
+
+
+def test_generators_are_deterministic_and_seeded(task):
+    assert task.sft_records(5, seed=1) == SyntheticTask().sft_records(5, seed=1)
+    assert task.sft_records(5, seed=1) != task.sft_records(5, seed=2)
+    assert task.prompts(50, seed=1) != task.prompts(50, seed=2)
+    assert SyntheticTask(TaskConfig(seed=7)).word_class != task.word_class
+
+
+def test_prompts_and_demonstrations_have_the_task_shape(task):
+    for record in task.sft_records(50, seed=0):
+        assert record["prompt"].endswith(" " + SEPARATOR)
+        assert len(record["prompt"].split()) == task.config.prompt_words + 1
+        assert len(record["response"].split()) == task.config.num_words
+    words = [w for r in task.sft_records(400, seed=0) for w in r["response"].split()]
+    typo_share = sum(w not in task.word_class for w in words) / len(words)
+    assert typo_share == pytest.approx(task.config.typo_rate, abs=0.015)
+
+
+def test_demonstrations_are_imperfect(task):
+    gold = [task.gold_reward(r["response"]) for r in task.sft_records(500, seed=0)]
+    mean = sum(gold) / len(gold)
+    assert -0.2 < mean < 0.3  # far from the optimum of 1: there is something to learn
+    assert max(gold) < 1.0
+
+
+def test_preferences_follow_gold_with_noise(task):
+    records = task.preference_records(1000, seed=0)
+    agree = [task.gold_reward(r["chosen"]) > task.gold_reward(r["rejected"]) for r in records]
+    assert all(r["chosen"] != r["rejected"] for r in records)
+    assert 0.8 < sum(agree) / len(agree) < 1.0  # mostly right, sometimes flipped
+    spread = [task.gold_reward(r["chosen"]) for r in records]
+    assert min(spread) < -0.3 and max(spread) > 0.6  # pairs cover the range the policy may reach
+
+
+def test_tokenizer_splits_words_and_round_trips(task, tokenizer):
+    records = task.sft_records(100, seed=5)
+    lengths = [len(tokenizer(r["response"])["input_ids"]) for r in records]
+    words = sum(len(r["response"].split()) for r in records)
+    assert min(lengths) >= 48  # long responses: the credit assignment problem
+    assert sum(lengths) / words >= 2.0  # words span several tokens on average
+    for record in records[:20]:
+        joined = record["prompt"] + " " + record["response"]
+        ids = tokenizer(joined)["input_ids"]
+        assert ids == tokenizer(record["prompt"])["input_ids"] + tokenizer(record["response"])["input_ids"]
+        assert tokenizer.decode(ids) == joined
+        assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == joined
+    assert tokenizer.unk_token_id not in tokenizer(" ".join(task.word_class))["input_ids"]
+
+
+def test_tokenizer_ids_do_not_depend_on_hash_order(tokenizer):
+    # Single characters come first, in sorted order, then the merges in the order they were learned.
+    vocab = {t: i for t, i in tokenizer.get_vocab().items() if t not in tokenizer.all_special_tokens}
+    characters = [t for t in vocab if len(t.removeprefix("##")) == 1]
+    assert sorted(characters, key=vocab.get) == sorted(characters)
+    assert max(vocab[t] for t in characters) < min(vocab[t] for t in vocab if len(t.removeprefix("##")) > 1)
+
+
+def test_tokenizer_rejects_empty_corpus():
+    with pytest.raises(ValueError, match="texts"):
+        train_tokenizer([])
