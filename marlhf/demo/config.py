@@ -8,6 +8,11 @@ from typing import Any, Literal
 from marlhf.config import ConfigBase, option
 
 
+BaselineMethod = Literal["rloo", "grpo", "reinforce", "dpo"]
+GROUP_METHODS = {"rloo", "grpo"}  # baselines over groups of responses to one prompt
+SAMPLES_PER_PROMPT = 4  # group size of rloo and grpo
+
+
 @dataclasses.dataclass(kw_only=True)
 class DemoConfig(ConfigBase):
     """Sizes and hyper-parameters of the demo. The defaults fit in 10 minutes on 2 CPU cores."""
@@ -17,13 +22,19 @@ class DemoConfig(ConfigBase):
     terminations: tuple[str, ...] = option(
         (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:inf, randomized, "
             "perplexity")
+    methods: tuple[BaselineMethod, ...] = option(
+        (), "baselines besides PPO and MA-PPO: rloo, grpo, reinforce (critic-free advantages in the PPO loop), "
+            "dpo (DPO on the reward model's preference pairs)")
     task_seed: int = option(1234, "seed of the lexicon and of every data set")
     pretrain_texts: int = option(8000, "pre-training texts (one epoch)", ge=64)
     sft_records: int = option(3000, "SFT demonstrations (one epoch)", ge=32)
     preference_records: int = option(4000, "preference pairs for the reward model (one epoch)", ge=64)
     ppo_steps: int = option(50, "PPO steps per run", ge=1)
-    ppo_batch_size: int = option(32, "prompts (= responses) per PPO step; two mini-batches of half", ge=2)
+    ppo_batch_size: int = option(
+        32, f"responses per PPO step, one per prompt (rloo, grpo: {SAMPLES_PER_PROMPT} per prompt to "
+            f"1/{SAMPLES_PER_PROMPT} of the prompts); two mini-batches of half", ge=2)
     ppo_learning_rate: float = option(3e-4, "policy learning rate", gt=0)
+    dpo_learning_rate: float = option(3e-4, "learning rate of the dpo method", gt=0)
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
     critic_init: Literal["reward", "sft"] = option(
         "reward", "critic initialisation: the reward model (the paper's choice) or the SFT model with a fresh head")
@@ -43,6 +54,11 @@ class DemoConfig(ConfigBase):
         methods = [parse_termination(spec)[0] for spec in self.terminations]
         if len(set(methods)) != len(methods) or set(methods) & {"ppo", "ma_ppo"}:
             raise ValueError(f"terminations repeat a method (ppo and ma_ppo always run): {self.terminations}")
+        if len(set(self.methods)) != len(self.methods):  # the names themselves are checked against the Literal
+            raise ValueError(f"methods repeat a name: {self.methods}")
+        if set(self.methods) & GROUP_METHODS and self.ppo_batch_size % SAMPLES_PER_PROMPT:
+            raise ValueError(f"ppo_batch_size must be a multiple of {SAMPLES_PER_PROMPT} with methods rloo or grpo "
+                             f"({SAMPLES_PER_PROMPT} responses per prompt), got {self.ppo_batch_size}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:

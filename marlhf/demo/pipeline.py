@@ -1,7 +1,9 @@
 """`marlhf demo`: the whole MA-RLHF pipeline on the synthetic task, on CPU, in minutes, with no downloads.
 
-    tokenizer -> pretrain -> SFT -> reward model -> PPO (n=1) and MA-PPO (n=5, more with `terminations`)
-    on every seed -> gold and reward-model reward on held-out prompts -> summary.json, curves.png, report.md
+    tokenizer -> pretrain -> SFT -> reward model -> PPO (n=1) and MA-PPO (n=5, more with `terminations`),
+    with `methods` also RLOO / GRPO / REINFORCE (the PPO loop without a critic) and DPO (on the reward model's
+    preference pairs), on every seed -> gold and reward-model reward on held-out prompts -> summary.json,
+    curves.png, report.md
 
 PPO is the repository's `train_ppo`. It is given a reward function that scores with the trained reward
 model (what PPO optimises, exactly as `marlhf evaluate` scores) and, on the side, records the gold reward of
@@ -13,11 +15,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from marlhf.demo.config import DemoConfig, parse_termination
+from marlhf.demo.config import GROUP_METHODS, SAMPLES_PER_PROMPT, DemoConfig, parse_termination
 from marlhf.demo.pretrain import pretrain, tiny_llama
 from marlhf.demo.report import load_method_runs, plot_curves, summarize, write_report
 from marlhf.demo.task import SyntheticTask, TaskConfig
@@ -25,6 +28,7 @@ from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.evaluation.evaluate import reward_model_scores
 from marlhf.modeling import ScalarHeadModel, pad_sequences
 from marlhf.rollout import generate_responses, response_logprobs
+from marlhf.trainers.dpo import DPOConfig, train_dpo
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from marlhf.trainers.reward import RewardConfig, train_reward_model
 from marlhf.trainers.sft import SFTConfig, train_sft
@@ -86,6 +90,24 @@ def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task:
     return metrics, samples
 
 
+def critic_free_options(method: str) -> dict[str, Any]:
+    """PPOConfig options of a critic-free baseline: its advantage estimator, groups of SAMPLES_PER_PROMPT
+    responses for rloo and grpo, and token-level ratios (ngram=1) as the ppo method, so that the advantage
+    estimator is the only difference."""
+    samples = SAMPLES_PER_PROMPT if method in GROUP_METHODS else 1
+    return {"termination": "fixed", "ngram": 1, "advantage": method, "num_samples_per_prompt": samples}
+
+
+def evaluate_run(policy, sft, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask, prompts: list[str],
+                 run_dir: Path, method: str, seed: int) -> dict[str, float]:
+    """Held-out evaluation of a trained policy; writes its samples to RUN_DIR/eval_samples.jsonl."""
+    metrics, samples = evaluate_policy(policy, sft, reward_model, tokenizer, task, prompts, seed=seed)
+    _write_jsonl(run_dir / "eval_samples.jsonl", samples)
+    tqdm.write(f"[demo] {method} seed {seed}: gold {metrics['gold_reward']:.3f}, "
+               f"RM {metrics['rm_reward']:.3f}, KL {metrics['kl']:.2f}")
+    return metrics
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -133,16 +155,18 @@ def _run_demo(config: DemoConfig) -> dict:
     sft = train_sft(SFTConfig(model_name_or_path=str(models / "base"), output_dir=str(sft_dir), learning_rate=1e-3,
                               **common), task.sft_records(config.sft_records, seed=0), model=base, tokenizer=tokenizer)
     clock = stage_done("sft", clock)
+    preference_records = task.preference_records(config.preference_records, seed=0)  # also DPO's pairs
     reward_model = train_reward_model(
         RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), learning_rate=1e-3, eval_steps=0,
                      **common),
-        task.preference_records(config.preference_records, seed=0), tokenizer=tokenizer)
+        preference_records, tokenizer=tokenizer)
     reward_model.requires_grad_(False).eval()
     clock = stage_done("reward model", clock)
 
-    # ---- PPO and MA-PPO on every seed ----------------------------------------------------------
+    # ---- PPO, MA-PPO and the PPO-loop baselines on every seed -----------------------------------
     methods = {"ppo": {"termination": "fixed", "ngram": 1}, "ma_ppo": {"termination": "fixed", "ngram": 5}}
     methods.update(parse_termination(spec) for spec in config.terminations)
+    methods.update((name, critic_free_options(name)) for name in config.methods if name != "dpo")
     rl_prompts = task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
     sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
@@ -152,22 +176,38 @@ def _run_demo(config: DemoConfig) -> dict:
     for method, seed in tqdm(runs, desc="demo runs", leave=True):
         run_dir = out / "runs" / method / f"seed{seed}"
         reward_fn = RewardModelWithGold(reward_model, tokenizer, task)
+        options = methods[method]
+        # Responses per step are the same for every method: groups of k samples take ppo_batch_size / k prompts.
+        prompts_per_step = config.ppo_batch_size // options.get("num_samples_per_prompt", 1)
         ppo_config = PPOConfig(
             model_name_or_path=str(sft_dir), reward_model_name_or_path=str(reward_dir), output_dir=str(run_dir),
-            seed=seed, save_steps=0, max_steps=config.ppo_steps, per_device_batch_size=config.ppo_batch_size,
+            seed=seed, save_steps=0, max_steps=config.ppo_steps, per_device_batch_size=prompts_per_step,
             mini_batch_size=config.ppo_batch_size // 2, learning_rate=config.ppo_learning_rate,
             critic_learning_rate=config.critic_learning_rate, kl_coef=config.kl_coef,
             critic_model_name_or_path=str(sft_dir if config.critic_init == "sft" else reward_dir),
             max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=MAX_RESPONSE_TOKENS,
-            max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, **methods[method])
+            max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, **options)
         policy = train_ppo(ppo_config, rl_prompts, tokenizer=tokenizer, reward_fn=reward_fn)
         _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
-        metrics, samples = evaluate_policy(policy, sft, reward_model, tokenizer, task, eval_prompts, seed=seed)
-        _write_jsonl(run_dir / "eval_samples.jsonl", samples)
-        finals[method].append(metrics)
-        tqdm.write(f"[demo] {method} seed {seed}: gold {metrics['gold_reward']:.3f}, "
-                   f"RM {metrics['rm_reward']:.3f}, KL {metrics['kl']:.2f}")
+        finals[method].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
+                                           method, seed))
     clock = stage_done("ppo", clock)
+
+    # ---- DPO on the reward model's preference pairs ------------------------------------------
+    if "dpo" in config.methods:
+        # As many optimizer updates as a PPO run (two per step), each on ppo_batch_size / 2 pairs.
+        finals["dpo"] = []
+        for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
+            run_dir = out / "runs" / "dpo" / f"seed{seed}"
+            dpo_config = DPOConfig(
+                model_name_or_path=str(sft_dir), output_dir=str(run_dir), seed=seed, save_steps=0,
+                max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
+                learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
+                max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+            policy = train_dpo(dpo_config, preference_records, tokenizer=tokenizer)
+            finals["dpo"].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
+                                              "dpo", seed))
+        clock = stage_done("dpo", clock)
 
     # ---- summary, plot, report -------------------------------------------------------------
     runs_by_method = {method: load_method_runs(out / "runs" / method, config.seeds, GOLD_FILE) for method in methods}
@@ -176,9 +216,12 @@ def _run_demo(config: DemoConfig) -> dict:
     summary["sft"] = sft_metrics
     summary["stage_seconds"] = stage_seconds
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, sft_gold=sft_metrics["gold_reward"])
+    held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold
+    if "dpo" in finals:
+        held_out_gold["dpo"] = summary["methods"]["dpo"]["gold_reward_final"]
+    plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, held_out_gold=held_out_gold)
     write_report(summary, out / "report.md", "curves.png",
-                 examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in methods}},
+                 examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in finals}},
                  task=task)
     tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
     return summary

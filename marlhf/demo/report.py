@@ -8,8 +8,10 @@ metrics.jsonl with the demo's per-step gold rewards, so the curves use the same 
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
+from marlhf.demo.config import SAMPLES_PER_PROMPT, BaselineMethod
 from marlhf.demo.task import SyntheticTask
 from marlhf.evaluation.plots import RunMetrics, group_curves, pyplot
 from marlhf.logging_utils import METRICS_FILE
@@ -56,7 +58,8 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
     `finals[method]` holds one {"gold_reward", "rm_reward", "kl"} per seed: the evaluation on held-out prompts
     after the last step. `steps_to_parity` is the first step at which the method's seed-mean gold reward of
     its training rollouts (moving average over `smoothing` steps) reaches PPO's final value of the same curve;
-    `speedup_vs_ppo` is PPO's steps_to_parity divided by the method's (> 1: fewer steps than PPO).
+    `speedup_vs_ppo` is PPO's steps_to_parity divided by the method's (> 1: fewer steps than PPO). A method
+    in `finals` without `runs` (DPO: no training rollouts) has neither, nor `train_gold_reward_final` (None).
     """
     if BASELINE not in runs:
         raise ValueError(f"runs must include the baseline method {BASELINE!r}, got {sorted(runs)}")
@@ -64,12 +67,13 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
               for method, method_runs in runs.items()}
     target = float(curves[BASELINE].mean[-1])
     methods = {}
-    for method, curve in curves.items():
-        entry: dict = {f"{key}_final": _mean([f[key] for f in finals[method]]) for key in FINAL_KEYS}
-        entry.update({f"{key}_final_std": _std([f[key] for f in finals[method]]) for key in FINAL_KEYS})
-        entry["train_gold_reward_final"] = float(curve.mean[-1])
-        entry["steps_to_parity"] = first_step_reaching(curve.steps, curve.mean, target)
-        entry["per_seed"] = {str(seed): final for seed, final in zip(seeds, finals[method])}
+    for method, method_finals in finals.items():
+        entry: dict = {f"{key}_final": _mean([f[key] for f in method_finals]) for key in FINAL_KEYS}
+        entry.update({f"{key}_final_std": _std([f[key] for f in method_finals]) for key in FINAL_KEYS})
+        curve = curves.get(method)
+        entry["train_gold_reward_final"] = None if curve is None else float(curve.mean[-1])
+        entry["steps_to_parity"] = None if curve is None else first_step_reaching(curve.steps, curve.mean, target)
+        entry["per_seed"] = {str(seed): final for seed, final in zip(seeds, method_finals)}
         methods[method] = entry
     baseline_parity = methods[BASELINE]["steps_to_parity"]
     for entry in methods.values():
@@ -80,8 +84,9 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
 
 
 def plot_curves(runs: dict[str, list[RunMetrics]], path: str | Path, smoothing: int,
-                sft_gold: float | None = None) -> None:
-    """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band."""
+                held_out_gold: dict[str, float] | None = None) -> None:
+    """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band;
+    `held_out_gold` ({name: gold reward on held-out prompts}, e.g. SFT, DPO) as dashed horizontal lines."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     titles = {"gold_reward": "gold reward", "rm_reward": "reward-model score"}
@@ -91,8 +96,9 @@ def plot_curves(runs: dict[str, list[RunMetrics]], path: str | Path, smoothing: 
             (line,) = ax.plot(curve.steps, curve.mean, label=f"{method} ({curve.num_runs} seeds)")
             ax.fill_between(curve.steps, curve.mean - curve.std, curve.mean + curve.std, color=line.get_color(),
                             alpha=0.2)
-        if key == "gold_reward" and sft_gold is not None:
-            ax.axhline(sft_gold, color="gray", linestyle="--", linewidth=1, label="SFT (held-out)")
+        if key == "gold_reward":
+            for (name, gold), color in zip((held_out_gold or {}).items(), ("gray", "black", "brown", "olive")):
+                ax.axhline(gold, color=color, linestyle="--", linewidth=1, label=f"{name} (held-out)")
         ax.set_title(f"{title} of the rollouts ({smoothing}-step moving average)", fontsize=10)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
@@ -131,11 +137,18 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
     ]
     for method, entry in summary["methods"].items():
         parity, speedup = entry["steps_to_parity"], entry["speedup_vs_ppo"]
+        train_gold = entry["train_gold_reward_final"]
         lines.append(
             f"| {method} | {entry['gold_reward_final']:.3f} ± {entry['gold_reward_final_std']:.3f} "
             f"| {entry['rm_reward_final']:.3f} ± {entry['rm_reward_final_std']:.3f} "
-            f"| {entry['kl_final']:.2f} | {entry['train_gold_reward_final']:.3f} "
-            f"| {'never' if parity is None else parity} | {'-' if speedup is None else f'{speedup:.2f}x'} |")
+            f"| {entry['kl_final']:.2f} | {'-' if train_gold is None else f'{train_gold:.3f}'} "
+            f"| {'-' if train_gold is None else 'never' if parity is None else parity} "
+            f"| {'-' if speedup is None else f'{speedup:.2f}x'} |")
+    if set(summary["methods"]) & set(typing.get_args(BaselineMethod)):
+        lines += ["", f"rloo, grpo and reinforce are the PPO loop without a critic, with token-level ratios (rloo and "
+                      f"grpo sample {SAMPLES_PER_PROMPT} responses to each of 1/{SAMPLES_PER_PROMPT} of the prompts, "
+                      "so a step has as many responses); dpo trains on the reward model's preference pairs and has no "
+                      "training rollouts (-)."]
     lines += [
         "",
         f"Steps to parity: first step at which a method's seed-mean gold reward of its training rollouts "

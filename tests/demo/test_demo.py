@@ -12,13 +12,14 @@ from marlhf.demo import DemoConfig, run_demo
 METHODS = ("ppo", "ma_ppo")
 EXTRA = ("fixed:inf", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
 EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")
+BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
 STEPS = DemoConfig.quick().ppo_steps
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA))
+    summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA, methods=BASELINES))
     return out, summary
 
 
@@ -35,13 +36,15 @@ def test_every_file_is_written(demo_run):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "![" in report and "curves.png" in report
-    assert all(f"| {m} |" in report for m in METHODS + EXTRA_METHODS)
+    assert all(f"| {m} |" in report for m in METHODS + EXTRA_METHODS + BASELINES)
+    for name in ("metrics.jsonl", "eval_samples.jsonl", "config.yaml"):
+        assert (out / "runs" / "dpo" / "seed0" / name).stat().st_size > 0, name
 
 
 def test_summary_schema(demo_run):
     out, summary = demo_run
     assert json.loads((out / "summary.json").read_text()) == summary
-    assert set(summary["methods"]) == set(METHODS + EXTRA_METHODS)
+    assert list(summary["methods"]) == list(METHODS + EXTRA_METHODS + BASELINES)
     assert isinstance(summary["wall_seconds"], float) and summary["wall_seconds"] > 0
     for entry in summary["methods"].values():
         for key in ("gold_reward_final", "rm_reward_final", "kl_final"):
@@ -49,11 +52,14 @@ def test_summary_schema(demo_run):
         assert -1.0 <= entry["gold_reward_final"] <= 1.0
         assert entry["steps_to_parity"] is None or 1 <= entry["steps_to_parity"] <= STEPS
     assert summary["methods"]["ppo"]["steps_to_parity"] is not None  # PPO reaches its own final value
+    dpo = summary["methods"]["dpo"]  # no training rollouts: no curve, no parity
+    assert dpo["train_gold_reward_final"] is dpo["steps_to_parity"] is dpo["speedup_vs_ppo"] is None
+    assert dpo["kl_final"] != 0.0  # DPO moved the policy away from the SFT model
 
 
 def test_logs_have_one_row_per_step(demo_run):
     out, _ = demo_run
-    for method in METHODS + EXTRA_METHODS:
+    for method in METHODS + EXTRA_METHODS + ("reinforce",):
         run_dir = out / "runs" / method / "seed0"
         gold = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
         trainer = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,6 +75,8 @@ def test_logs_have_one_row_per_step(demo_run):
             assert all(1.0 < x <= 5.0 for x in lengths)
         elif method == "ma_ppo_fixed_inf":  # one segment per response
             assert lengths == pytest.approx([t["objective/response_length"] for t in trainer])
+        elif method == "reinforce":  # token-level ratios, no critic
+            assert lengths == [1.0] * STEPS and all("loss/value" not in t for t in trainer)
 
 
 def test_reward_model_score_rises_during_ppo(demo_run):
@@ -87,5 +95,7 @@ def test_command_line_quick_preset_keeps_given_options(monkeypatch, tmp_path):
     (config,) = seen
     assert config.out == str(tmp_path) and config.seeds == (3,) and config.terminations == ("randomized",)
     assert config.ppo_steps == DemoConfig.quick().ppo_steps
+    cli.main(["demo", "--out", str(tmp_path), "--quick", "--methods", "rloo", "dpo"])
+    assert seen[-1].methods == ("rloo", "dpo") and seen[-1].ppo_steps == DemoConfig.quick().ppo_steps
     cli.main(["demo", "--out", str(tmp_path), "--ppo_steps", "7"])
     assert seen[-1].ppo_steps == 7 and seen[-1].seeds == DemoConfig().seeds

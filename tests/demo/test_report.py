@@ -43,6 +43,11 @@ def test_summarize_steps_to_parity_over_seed_means():
     # Smoothing over 2 steps delays ma_ppo's crossing: (0.25 + 0.5) / 2 < 0.5 at step 2, 0.55 at step 3.
     smoothed = summarize(runs, finals, [0, 1], smoothing=2, wall_seconds=12.0)
     assert smoothed["methods"]["ma_ppo"]["steps_to_parity"] == 3
+    # A method evaluated without training rollouts (DPO) has no curve, hence no parity.
+    with_dpo = summarize(runs, {**finals, "dpo": [final(0.3), final(0.5)]}, [0, 1], 1, 12.0)
+    dpo = with_dpo["methods"]["dpo"]
+    assert dpo["gold_reward_final"] == pytest.approx(0.4)
+    assert dpo["train_gold_reward_final"] is dpo["steps_to_parity"] is dpo["speedup_vs_ppo"] is None
     with pytest.raises(ValueError, match="baseline"):
         summarize({"ma_ppo": runs["ma_ppo"]}, finals, [0, 1], 1, 0.0)
 
@@ -72,3 +77,15 @@ def test_parse_termination_and_config_checks():
     with pytest.raises(ValueError, match="seeds"):
         DemoConfig(seeds=(1, 1))
     assert DemoConfig.quick(out="x").ppo_steps < DemoConfig().ppo_steps
+
+
+def test_methods_option_checks():
+    assert DemoConfig(methods=["rloo", "grpo", "reinforce", "dpo"]).methods == ("rloo", "grpo", "reinforce", "dpo")
+    assert DemoConfig().methods == ()
+    with pytest.raises(ValueError, match=r"methods\[1\] must be one of \['rloo', 'grpo', 'reinforce', 'dpo'\]"):
+        DemoConfig(methods=("dpo", "ppo"))  # ppo always runs; not a --methods choice
+    with pytest.raises(ValueError, match="methods repeat"):
+        DemoConfig(methods=("rloo", "rloo"))
+    with pytest.raises(ValueError, match="ppo_batch_size must be a multiple of 4"):
+        DemoConfig(methods=("grpo",), ppo_batch_size=10)  # 10 responses are not groups of 4
+    assert DemoConfig(methods=("reinforce", "dpo"), ppo_batch_size=10).ppo_batch_size == 10
