@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import json
-import random
 import threading
 import time
 import urllib.parse
@@ -20,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from marlhf.evaluation.judge import summarize_winners
+from marlhf.evaluation.judge import a_shown_first, summarize_winners
 
 CHOICES = {"left", "right", "tie"}
 
@@ -35,14 +34,9 @@ class HumanEvalSession:
 
     def __init__(self, prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str],
                  out_path: str | Path, seed: int = 0, annotator: str = "") -> None:
-        if not len(prompts) == len(responses_a) == len(responses_b):
-            raise ValueError(f"prompts, responses_a and responses_b must have the same length, got "
-                             f"{len(prompts)}, {len(responses_a)} and {len(responses_b)}")
-        if not prompts:
-            raise ValueError("prompts is empty")
-        rng = random.Random(seed)
-        self.items = [{"prompt": p, "a": a, "b": b, "a_left": rng.random() < 0.5}
-                      for p, a, b in zip(prompts, responses_a, responses_b)]
+        a_left = a_shown_first(prompts, responses_a, responses_b, seed)
+        self.items = [{"prompt": p, "a": a, "b": b, "a_left": left}
+                      for p, a, b, left in zip(prompts, responses_a, responses_b, a_left)]
         self.out_path = Path(out_path)
         self.annotator = annotator
         self._lock = threading.Lock()

@@ -178,6 +178,19 @@ def parse_preference(reply: str) -> Preference:
     return {"1": "first", "2": "second", "tie": "tie"}[match.group(1).lower()]
 
 
+def a_shown_first(prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str],
+                  seed: int = 0) -> list[bool]:
+    """Check a pairwise comparison's inputs and draw, per prompt, whether A is shown first (a seeded
+    coin), so that neither a judge nor a person can favour a position."""
+    if not len(prompts) == len(responses_a) == len(responses_b):
+        raise ValueError(f"prompts, responses_a and responses_b must have the same length, got "
+                         f"{len(prompts)}, {len(responses_a)} and {len(responses_b)}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    rng = random.Random(seed)
+    return [rng.random() < 0.5 for _ in prompts]
+
+
 def judge_pairwise(
     prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str], judge: Judge, seed: int = 0
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -187,13 +200,7 @@ def judge_pairwise(
     "a_shown_first", "winner": "A" | "B" | "tie" | "invalid"}, and the counts with
     win_rate = (wins + ties / 2) / (wins + ties + losses) of A (invalid answers are left out; None when
     nothing was decided)."""
-    if not len(prompts) == len(responses_a) == len(responses_b):
-        raise ValueError(f"prompts, responses_a and responses_b must have the same length, got "
-                         f"{len(prompts)}, {len(responses_a)} and {len(responses_b)}")
-    if not prompts:
-        raise ValueError("prompts is empty")
-    rng = random.Random(seed)
-    a_first = [rng.random() < 0.5 for _ in prompts]
+    a_first = a_shown_first(prompts, responses_a, responses_b, seed)
     first = [a if swap else b for a, b, swap in zip(responses_a, responses_b, a_first)]
     second = [b if swap else a for a, b, swap in zip(responses_a, responses_b, a_first)]
     preferences = judge.compare(list(prompts), first, second)
