@@ -260,6 +260,8 @@ class TrainingConfig(RunConfig):
     adam_beta2: float = option(0.95, "AdamW beta2", ge=0, lt=1)
     lr_scheduler: Literal["cosine", "linear", "constant"] = option("cosine", "learning-rate schedule after warmup")
     warmup_ratio: float = option(0.1, "fraction of the optimizer steps spent in linear warmup", ge=0, le=1)
+    warmup_steps: int | None = option(None, "linear warmup in optimizer steps; overrides warmup_ratio (none: use "
+                                            "the ratio)", ge=0)
     max_grad_norm: float | None = option(1.0, "clip the gradient norm to this value (none: no clipping)", gt=0)
     per_device_batch_size: int = option(8, "records per micro-batch on each process", ge=1)
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", ge=1)

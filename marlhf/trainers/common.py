@@ -133,8 +133,10 @@ def make_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.opti
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, total_steps: int):
-    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
-                         num_training_steps=total_steps)
+    warmup_steps = config.warmup_steps if config.warmup_steps is not None else math.ceil(config.warmup_ratio * total_steps)
+    # The option names the schedule after warmup; transformers' plain "constant" would skip the warmup.
+    name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 
 def encode_prompt_response(tokenizer, prompt: str, response: str, max_prompt_length: int,

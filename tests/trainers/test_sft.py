@@ -145,3 +145,24 @@ def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, make_tiny_ca
     (tmp_path / "sft" / "checkpoint-3").mkdir(parents=True)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train_sft(_config(tmp_path), tiny_records["sft"], model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+
+
+def test_warmup_steps_override_the_ratio_for_every_schedule():
+    from marlhf.trainers.common import make_scheduler
+
+    def learning_rates(schedule, **overrides):
+        config = SFTConfig(model_name_or_path="unused", learning_rate=1.0, lr_scheduler=schedule, **overrides)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = make_scheduler(optimizer, config, total_steps=10)
+        rates = []
+        for _ in range(5):
+            rates.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    assert learning_rates("linear", warmup_ratio=0.0, warmup_steps=4) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert learning_rates("linear", warmup_ratio=0.2) == pytest.approx([0.0, 0.5, 1.0, 0.875, 0.75])
+    assert learning_rates("constant", warmup_steps=2) == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SFTConfig(warmup_steps=-1)
