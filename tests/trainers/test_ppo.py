@@ -2,10 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +13,8 @@ from marlhf.logging_utils import read_metrics
 from marlhf.losses import policy_loss, value_loss
 from marlhf.modeling import ScalarHeadModel
 from marlhf.trainers.ppo import PPOConfig, code_reward_fn, train_ppo
+from tests.trainers.killed_run import run_until_killed
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOPICS = ("cats", "dogs", "bread", "rain", "code", "tea", "maps", "boats")
 RECORDS = [{"prompt": f"Human: say something about {topic}\n\nAssistant:"} for topic in TOPICS]
 
@@ -152,26 +148,6 @@ def test_code_reward_fn_scores_programs_on_their_record_tests():
         code_reward_fn([{"prompt": "add", "input_output": tests}, {"prompt": "add", "input_output": "{}"}])
 
 
-_KILLED_RUN = """
-import json, os, signal, sys
-import torch
-from marlhf.logging_utils import MetricsLogger
-from marlhf.trainers.ppo import PPOConfig, train_ppo
-
-config_path, records_path, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-log = MetricsLogger.log
-
-def log_then_die(self, metrics, step):
-    log(self, metrics, step)
-    if step == kill_after:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-MetricsLogger.log = log_then_die
-torch.set_num_threads(1)  # as in the test process, so that both compute bit-identical numbers
-train_ppo(PPOConfig.from_yaml(config_path), json.load(open(records_path)))
-"""
-
-
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm):
     """Loaded from directories as the CLI does: policy/reference from the SFT dir, critic and frozen reward
     model from the reward-model dir. Killed after logging step 2 (before its checkpoint), resumed from
@@ -185,13 +161,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir
     train_ppo(straight, RECORDS)
 
     crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
-    crashed.save_yaml(tmp_path / "crashed.yaml")
-    (tmp_path / "records.json").write_text(json.dumps(RECORDS))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    child = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "crashed.yaml"),
-                            str(tmp_path / "records.json"), "2"], env=env, cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert child.returncode == -9, child.stderr[-2000:]
+    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed, RECORDS, kill_after=2,
+                     work_dir=tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == ["checkpoint-1"]
     assert {p.name for p in (tmp_path / "crashed" / "checkpoint-1").iterdir()} >= {
         "policy", "critic", "optimizer.policy.json", "optimizer.critic.json", "scheduler.policy.json",

@@ -15,6 +15,7 @@ from marlhf.checkpoint import list_checkpoints
 from marlhf.logging_utils import read_metrics
 from marlhf.trainers.common import encode_prompt_response
 from marlhf.trainers.sft import IGNORE_INDEX, SFTConfig, collate_sft, train_sft
+from tests.trainers.killed_run import run_until_killed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,37 +63,14 @@ def test_sft_rejects_bad_records(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
                   tokenizer=tiny_tokenizer)
 
 
-_KILLED_RUN = """
-import json, os, signal, sys
-from marlhf.logging_utils import MetricsLogger
-from marlhf.trainers.sft import SFTConfig, train_sft
-
-config_path, records_path, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-log = MetricsLogger.log
-
-def log_then_die(self, metrics, step):
-    log(self, metrics, step)
-    if step == kill_after:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-MetricsLogger.log = log_then_die
-train_sft(SFTConfig.from_yaml(config_path), json.load(open(records_path)))
-"""
-
-
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, tiny_records):
     common = dict(model_name_or_path=str(tiny_model_dir), save_steps=2, save_total_limit=2,
                   gradient_accumulation_steps=2, per_device_batch_size=2)
     train_sft(_config(tmp_path, output_dir=str(tmp_path / "straight"), **common), tiny_records["sft"])
 
     crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
-    crashed.save_yaml(tmp_path / "crashed.yaml")
-    (tmp_path / "records.json").write_text(json.dumps(tiny_records["sft"]))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}  # one thread, as in this process
-    child = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "crashed.yaml"),
-                            str(tmp_path / "records.json"), "5"], env=env, cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert child.returncode == -9, child.stderr[-2000:]
+    run_until_killed("marlhf.trainers.sft", "SFTConfig", "train_sft", crashed, tiny_records["sft"], kill_after=5,
+                     work_dir=tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == ["checkpoint-2", "checkpoint-4"]
     assert read_metrics(tmp_path / "crashed")[-1]["step"] == 5
 
