@@ -12,14 +12,18 @@ API:
     resolve_resume(resume, output_dir) -> Path | None    # RunConfig.resume: None, "latest" or a path
 
 Layout of checkpoint-<step>/:
-    <model name>/            save_pretrained (safetensors) + tokenizer: loadable with from_pretrained
+    <model name>/            save_pretrained (safetensors) + tokenizer: loadable with from_pretrained;
+                             a LoRA model (peft.PeftModel) holds its adapters only (adapter_model.safetensors),
+                             a LoRA critic (ScalarHeadModel) its backbone's adapters + scalar_head.safetensors
     optimizer.<name>.{json,safetensors}, scheduler.<name>.{json,safetensors}
     rng_state.<process index>.{json,safetensors}   python, numpy, torch (+cuda) generators
     trainer_state.{json,safetensors}                step + whatever the trainer passes
 Non-tensor structure goes to the .json file and tensors to the .safetensors file (no pickle anywhere).
 A checkpoint is written to a temporary directory and renamed into place, so a crash never leaves a
 partial checkpoint-<step>. Models must provide save_pretrained / from_pretrained (Hugging Face models
-and marlhf.modeling.ScalarHeadModel do); they may be wrapped by accelerator.prepare.
+and marlhf.modeling.ScalarHeadModel do) or be peft models; they may be wrapped by accelerator.prepare.
+Adapters are loaded into the model passed to load_checkpoint: its frozen base weights must be the run's
+(the trainer loads them again from the same path).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from marlhf.modeling import ScalarHeadModel
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 _TMP_PREFIX = ".tmp-checkpoint-"
@@ -194,10 +200,7 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
     """Restore everything save_checkpoint wrote (in place); return the trainer state (with "step")."""
     path = Path(path)
     for name, model in models.items():
-        target = _unwrap(model, accelerator)
-        loaded = type(target).from_pretrained(path / name)
-        target.load_state_dict(loaded.state_dict())
-        del loaded
+        _load_weights(_unwrap(model, accelerator), path / name)
     for name, optimizer in (optimizers or {}).items():
         optimizer.load_state_dict(load_state(path / f"optimizer.{name}"))
     for name, scheduler in (schedulers or {}).items():
@@ -209,6 +212,40 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
                          "resume with the number of processes the checkpoint was written with")
     set_rng_state(load_state(rng_file))
     return load_state(path / "trainer_state")
+
+
+def _load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load what model.save_pretrained(directory) wrote into `model`, in place."""
+    from peft import PeftModel  # imported on resume only: it takes seconds
+
+    if isinstance(model, PeftModel):
+        _load_adapters(model, directory)
+    elif isinstance(model, ScalarHeadModel):  # its save_pretrained: the backbone's files + the head's
+        _load_weights(model.backbone, directory)
+        model.head.load_state_dict(load_file(str(directory / ScalarHeadModel.HEAD_FILE)))
+    elif (directory / "adapter_config.json").exists():
+        raise ValueError(f"{directory} holds LoRA adapters only: resume it with use_lora on")
+    else:
+        loaded = type(model).from_pretrained(directory)
+        model.load_state_dict(loaded.state_dict())
+
+
+def _load_adapters(model: torch.nn.Module, directory: Path) -> None:
+    """A peft model's save_pretrained writes its adapters only; its base weights stay those it holds."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+    adapter_file = directory / SAFETENSORS_WEIGHTS_NAME
+    if not adapter_file.exists():
+        raise ValueError(f"{directory} holds no LoRA adapters ({SAFETENSORS_WEIGHTS_NAME}): resume a LoRA run "
+                         "from a checkpoint of a LoRA run")
+    adapters = load_file(str(adapter_file))
+    expected = get_peft_model_state_dict(model).keys()
+    if adapters.keys() != expected:
+        differing = sorted(adapters.keys() ^ expected)
+        raise ValueError(f"{adapter_file} holds other adapters than the model's (other lora_target_modules?): "
+                         f"{len(differing)} weights differ, such as {differing[0]}")
+    set_peft_model_state_dict(model, adapters)
 
 
 def _wait(accelerator) -> None:

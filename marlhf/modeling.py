@@ -182,7 +182,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
              target_modules: tuple[str, ...] = LLAMA_ATTENTION) -> nn.Module:
     """Freeze `model` and add trainable LoRA adapters (scale alpha / r) to the linear layers whose names
     end with one of `target_modules`. A ScalarHeadModel's value head stays trainable (it is new)."""
-    from peft import LoraConfig, get_peft_model  # optional dependency: only LoRA runs need it
+    from peft import LoraConfig, get_peft_model  # imported by LoRA runs only: it takes seconds
 
     if r < 1:
         raise ValueError(f"lora r must be >= 1, got {r}")

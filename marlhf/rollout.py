@@ -170,18 +170,28 @@ def score_responses(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    policy: nn.Module,
     ref: nn.Module,
     temperature: float,
+    policy: nn.Module | None = None,
+    logprobs: torch.Tensor | None = None,
     critic: nn.Module | None = None,
+    values: torch.Tensor | None = None,
     reward_model: ScalarHeadModel | None = None,
     reward_fn: RewardFn | None = None,
     prompts: list[str] | None = None,
     tokenizer=None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
-    reference log-probs, critic values (when a critic is given) and one score per response, from
-    `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`."""
+    reference log-probs, critic values (when there is a critic) and one score per response, from
+    `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`.
+
+    The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
+    gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
+    `values`. Given tensors are stored detached."""
+    if (policy is None) == (logprobs is None):
+        raise ValueError("give exactly one of `policy` and `logprobs`")
+    if critic is not None and values is not None:
+        raise ValueError("give at most one of `critic` and `values`")
     if (reward_model is None) == (reward_fn is None):
         raise ValueError("give exactly one of `reward_model` and `reward_fn`")
     if reward_fn is not None and (prompts is None or tokenizer is None):
@@ -189,9 +199,15 @@ def score_responses(
     if prompts is not None and len(prompts) != query_ids.shape[0]:
         raise ValueError(f"`prompts` has {len(prompts)} texts for {query_ids.shape[0]} rows")
     batch = (query_ids, query_mask, response_ids, response_mask)
-    logprobs = response_logprobs(policy, *batch, temperature=temperature)
+    for name, given in (("logprobs", logprobs), ("values", values)):
+        if given is not None and given.shape != response_ids.shape:
+            raise ValueError(f"`{name}` has shape {tuple(given.shape)}, the responses {tuple(response_ids.shape)}")
+    logprobs = response_logprobs(policy, *batch, temperature=temperature) if policy is not None else logprobs.detach()
     ref_logprobs = response_logprobs(ref, *batch, temperature=temperature)
-    values = response_values(critic, *batch) if critic is not None else None
+    if critic is not None:
+        values = response_values(critic, *batch)
+    elif values is not None:
+        values = values.detach()
     if reward_model is not None:
         scores = reward_model.score(*_sequence(*batch))  # at the last real token of prompt + response
     else:

@@ -8,7 +8,7 @@ import torch
 
 from marlhf.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, load_state, resolve_resume,
                                save_checkpoint, save_state)
-from marlhf.modeling import ScalarHeadModel
+from marlhf.modeling import ScalarHeadModel, add_lora
 
 
 def _train_steps(model, optimizer, scheduler, steps):
@@ -120,3 +120,27 @@ def test_several_models_and_optimizers_keep_separate_files(tmp_path, make_tiny_c
         for state_before, state_after in zip(before.state.values(), after.state.values()):
             assert torch.equal(state_before["exp_avg"], state_after["exp_avg"])
     assert torch.equal(new_critic.head.weight, critic.head.weight)
+
+
+def test_lora_checkpoint_holds_adapters_and_head_and_checks_them(tmp_path, make_tiny_causal_lm):
+    policy, critic = add_lora(make_tiny_causal_lm(), r=2), add_lora(ScalarHeadModel(make_tiny_causal_lm().model), r=2)
+    with torch.no_grad():  # LoRA's B matrices start at zero: make the adapters count
+        for parameter in (*policy.parameters(), *critic.parameters()):
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter))
+    path = save_checkpoint(tmp_path, 1, {"policy": policy, "critic": critic})
+    assert not (path / "policy" / "model.safetensors").exists()  # the frozen base is not saved again
+
+    new_policy = add_lora(make_tiny_causal_lm(), r=2)
+    new_critic = add_lora(ScalarHeadModel(make_tiny_causal_lm().model), r=2)
+    load_checkpoint(path, {"policy": new_policy, "critic": new_critic})
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), new_policy.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(critic.state_dict().values(), new_critic.state_dict().values()))
+
+    with pytest.raises(ValueError, match="other adapters"):
+        load_checkpoint(path, {"policy": add_lora(make_tiny_causal_lm(), r=2, target_modules=("q_proj",))})
+    save_checkpoint(tmp_path, 2, {"policy": make_tiny_causal_lm()})
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        load_checkpoint(tmp_path / "checkpoint-2", {"policy": new_policy})
+    with pytest.raises(ValueError, match="LoRA adapters only"):
+        load_checkpoint(path, {"policy": make_tiny_causal_lm()})

@@ -151,6 +151,27 @@ def test_logprobs_values_and_scores_match_unpadded_forward():
     assert response_values(critic, query_ids, query_mask, response_ids, response_mask).requires_grad
 
 
+def test_given_logprobs_and_values_replace_those_forwards():
+    policy, other = _eight_token_lm(0), _eight_token_lm(1)
+    critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
+    query_ids, query_mask = _prompts()
+    batch = (query_ids, query_mask, *_sample(policy, query_ids, query_mask, range(10), max_new_tokens=5))
+    computed = score_responses(*batch, policy=policy, ref=other, temperature=0.9, critic=critic, reward_model=critic)
+    logprobs = response_logprobs(policy, *batch, temperature=0.9)  # with gradients, as PPO keeps them
+    values = response_values(critic, *batch)
+    given = score_responses(*batch, logprobs=logprobs, values=values, ref=other, temperature=0.9, reward_model=critic)
+    assert not given.logprobs.requires_grad and not given.values.requires_grad
+    for field in ("logprobs", "ref_logprobs", "values", "scores"):
+        torch.testing.assert_close(getattr(given, field), getattr(computed, field))
+    with pytest.raises(ValueError, match="`policy` and `logprobs`"):
+        score_responses(*batch, policy=policy, logprobs=logprobs, ref=other, temperature=0.9, reward_model=critic)
+    with pytest.raises(ValueError, match="`critic` and `values`"):
+        score_responses(*batch, policy=policy, critic=critic, values=values, ref=other, temperature=0.9,
+                        reward_model=critic)
+    with pytest.raises(ValueError, match="`values` has shape"):
+        score_responses(*batch, policy=policy, values=values[:, :-1], ref=other, temperature=0.9, reward_model=critic)
+
+
 def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make_tiny_causal_lm):
     policy = make_tiny_causal_lm().eval()
     prompts = ["Human: hi\n\nAssistant:", "The quick brown fox"]

@@ -146,8 +146,6 @@ class PPOConfig(TrainingConfig):
         if self.rollout_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
-        if self.use_lora and self.resume is not None:
-            raise ValueError("resume is not supported with use_lora (checkpoints hold the adapters only)")
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
                              f"mini_batch_size ({self.mini_batch_size})")
@@ -160,6 +158,14 @@ class PPOConfig(TrainingConfig):
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+    @property
+    def reuses_rollout_forward(self) -> bool:
+        """One update per step, of the whole rollout in one piece: the rollout's policy and critic forwards
+        then run with gradients and the update backpropagates through them instead of running them again
+        (the weights do not change in between, so this is exact). Both graphs are held at once."""
+        return (self.ppo_epochs == 1 and self.mini_batch_size == self.rollout_size
+                and self.gradient_accumulation_steps == 1)
 
 
 def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
@@ -366,10 +372,18 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                 eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id)
             generation_end = _clock(device)
+            batch = (query_ids, query_mask, response_ids, response_mask)
+            if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
+                for model, _, _ in updaters:
+                    model.train()
+                kept_logprobs = response_logprobs(policy, *batch, temperature=config.temperature)
+                kept_values = response_values(critic, *batch) if critic is not None else None
+                trained_outputs = dict(logprobs=kept_logprobs, values=kept_values)
+            else:
+                trained_outputs = dict(policy=policy, critic=critic)
             rollout = score_responses(
-                query_ids, query_mask, response_ids, response_mask, policy=policy, ref=ref,
-                temperature=config.temperature, critic=critic, reward_model=reward_model, reward_fn=reward_fn,
-                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer)
+                *batch, ref=ref, temperature=config.temperature, reward_model=reward_model, reward_fn=reward_fn,
+                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer, **trained_outputs)
         scoring_end = _clock(device)
         mask = rollout.response_mask
 
@@ -409,7 +423,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                     inputs = (rollout.query_ids[piece], rollout.query_mask[piece], rollout.response_ids[piece],
                               mask[piece])
                     with accumulation_context(accelerator, policy, is_last_piece):
-                        logprobs = response_logprobs(policy, *inputs, temperature=config.temperature)
+                        logprobs = kept_logprobs[piece] if config.reuses_rollout_forward else response_logprobs(
+                            policy, *inputs, temperature=config.temperature)
                         pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece], advantages[piece],
                                                         mask[piece], segment_ids[piece], config.clip_range,
                                                         config.ratio_granularity)
@@ -418,7 +433,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                              "policy/approxkl": pg_stats["approxkl"]}
                     if critic is not None:
                         with accumulation_context(accelerator, critic, is_last_piece):
-                            values = response_values(critic, *inputs)
+                            values = kept_values[piece] if config.reuses_rollout_forward else response_values(
+                                critic, *inputs)
                             vf_loss, vf_stats = value_loss(values, rollout.values[piece], returns[piece], mask[piece],
                                                            segment_ids[piece], config.value_clip_range,
                                                            config.value_weighting)

@@ -110,6 +110,44 @@ def test_estimators_and_options_run(tmp_path, make_tiny_causal_lm, tiny_tokenize
         assert metrics[0]["macro/mean_segment_length"] == pytest.approx(metrics[0]["objective/response_length"])
 
 
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(advantage="rloo", num_samples_per_prompt=2, mini_batch_size=8, whiten_advantages=True),
+    dict(use_lora=True, lora_r=4, gradient_checkpointing=True),
+], ids=["gae", "rloo-whitened", "lora-checkpointing"])
+def test_reusing_the_rollout_forward_equals_recomputing_it(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
+                                                           monkeypatch, options):
+    """With one update per step the rollout's policy and critic forwards double as the update's: same
+    weights and metrics as running them again, one policy forward fewer per step."""
+    import marlhf.rollout as rollout
+
+    config = _config(tmp_path, max_steps=3, **options)
+    assert config.reuses_rollout_forward
+    results = {}
+    for reuse in (True, False):
+        calls = []
+
+        def counting(forward):
+            return lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+
+        monkeypatch.setattr(PPOConfig, "reuses_rollout_forward", property(lambda self, reuse=reuse: reuse))
+        monkeypatch.setattr(ppo, "response_logprobs", counting(rollout.response_logprobs))
+        monkeypatch.setattr(rollout, "response_logprobs", counting(rollout.response_logprobs))
+        output_dir = tmp_path / f"reuse_{reuse}"
+        policy = train_ppo(dataclasses.replace(config, output_dir=str(output_dir)), RECORDS,
+                           policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+        monkeypatch.undo()
+        results[reuse] = (policy.state_dict(), _metrics_without_timings(output_dir), len(calls))
+    (reused, reused_metrics, reused_calls), (recomputed, recomputed_metrics, recomputed_calls) = results.values()
+    assert (reused_calls, recomputed_calls) == (2 * 3, 3 * 3)  # policy + reference (+ the update's policy forward)
+    for name, tensor in recomputed.items():
+        # rows meet the update in another order (summation order), and Adam at lr 1e-2 amplifies that
+        torch.testing.assert_close(reused[name], tensor, rtol=0, atol=2e-5, msg=name)
+    assert any(not torch.equal(reused[name], w) for name, w in make_tiny_causal_lm().state_dict().items())
+    for mine, theirs in zip(reused_metrics, recomputed_metrics, strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="num_samples_per_prompt"):
         PPOConfig(advantage="rloo")
