@@ -126,6 +126,42 @@ def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: t
     return torch.cat([query_ids, response_ids], dim=1), torch.cat([query_mask, response_mask], dim=1).long()
 
 
+def trim_padding(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
+                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same rows without the columns that are padding in all of them (leading prompt columns, trailing
+    response columns; at least one response column stays). Positions come from the masks, so outputs on
+    real tokens do not change, and a forward pass costs only the columns left."""
+    first = int(query_mask.any(0).long().argmax())  # first column with a real prompt token
+    width = max(int(response_mask.any(0).sum()), 1)  # right padding: the real columns are a prefix
+    return query_ids[:, first:], query_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
+
+
+def length_sorted_chunks(query_mask: torch.Tensor, response_mask: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
+    """Row indices, longest rows (prompt + response tokens) first, in chunks of at most `chunk_size`: rows of
+    similar length share a chunk, so trim_padding cuts most of each chunk's padding."""
+    if chunk_size < 1:
+        raise ValueError(f"`chunk_size` must be >= 1, got {chunk_size}")
+    lengths = query_mask.sum(1) + response_mask.sum(1)
+    return list(lengths.argsort(descending=True, stable=True).split(chunk_size))
+
+
+def forward_in_chunks(forward: Callable[..., torch.Tensor], query_ids: torch.Tensor, query_mask: torch.Tensor,
+                      response_ids: torch.Tensor, response_mask: torch.Tensor,
+                      chunk_size: int | None = None) -> torch.Tensor:
+    """`forward(query_ids, query_mask, response_ids, response_mask)` over length_sorted_chunks of the rows, each
+    trimmed by trim_padding, put back in row order: `[B]` results as they are, `[rows, T']` per-token results
+    right-padded with 0 to `[B, T]`. `chunk_size` None: all rows at once."""
+    batch = (query_ids, query_mask, response_ids, response_mask)
+    chunks = length_sorted_chunks(query_mask, response_mask, chunk_size or query_ids.shape[0])
+    outputs = []
+    for rows in chunks:
+        output = forward(*trim_padding(*(x[rows] for x in batch)))
+        if output.dim() == 2:
+            output = nn.functional.pad(output, (0, response_ids.shape[1] - output.shape[1]))
+        outputs.append(output)
+    return torch.cat(outputs)[torch.cat(chunks).argsort()]
+
+
 def response_logprobs(
     model: nn.Module,
     query_ids: torch.Tensor,
@@ -180,6 +216,7 @@ def score_responses(
     reward_fn: RewardFn | None = None,
     prompts: list[str] | None = None,
     tokenizer=None,
+    chunk_size: int | None = None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
     reference log-probs, critic values (when there is a critic) and one score per response, from
@@ -187,7 +224,8 @@ def score_responses(
 
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
-    `values`. Given tensors are stored detached."""
+    `values`. Given tensors are stored detached. Models see `chunk_size` rows at a time (None: all), rows of
+    similar length together with their common padding cut (forward_in_chunks)."""
     if (policy is None) == (logprobs is None):
         raise ValueError("give exactly one of `policy` and `logprobs`")
     if critic is not None and values is not None:
@@ -202,14 +240,18 @@ def score_responses(
     for name, given in (("logprobs", logprobs), ("values", values)):
         if given is not None and given.shape != response_ids.shape:
             raise ValueError(f"`{name}` has shape {tuple(given.shape)}, the responses {tuple(response_ids.shape)}")
-    logprobs = response_logprobs(policy, *batch, temperature=temperature) if policy is not None else logprobs.detach()
-    ref_logprobs = response_logprobs(ref, *batch, temperature=temperature)
+
+    def run(forward: Callable[..., torch.Tensor]) -> torch.Tensor:
+        return forward_in_chunks(forward, *batch, chunk_size=chunk_size)
+
+    if policy is not None:
+        logprobs = run(lambda *rows: response_logprobs(policy, *rows, temperature=temperature))
+    ref_logprobs = run(lambda *rows: response_logprobs(ref, *rows, temperature=temperature))
     if critic is not None:
-        values = response_values(critic, *batch)
-    elif values is not None:
-        values = values.detach()
-    if reward_model is not None:
-        scores = reward_model.score(*_sequence(*batch))  # at the last real token of prompt + response
+        values = run(lambda *rows: response_values(critic, *rows))
+    logprobs, values = logprobs.detach(), values.detach() if values is not None else None
+    if reward_model is not None:  # at the last real token of prompt + response
+        scores = run(lambda *rows: reward_model.score(*_sequence(*rows)))
     else:
         responses = decode_responses(tokenizer, response_ids, response_mask)
         scores = torch.tensor([float(s) for s in reward_fn(prompts, responses)], device=query_ids.device)

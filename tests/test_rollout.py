@@ -5,8 +5,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from marlhf.modeling import ScalarHeadModel, pad_sequences
-from marlhf.rollout import (decode_responses, generate_responses, response_logprobs, response_mask_from_ids,
-                            response_values, score_responses)
+from marlhf.rollout import (decode_responses, forward_in_chunks, generate_responses, length_sorted_chunks,
+                            response_logprobs, response_mask_from_ids, response_values, score_responses, trim_padding)
 
 PAD, EOS = 0, 2
 
@@ -200,3 +200,61 @@ def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make
     with pytest.raises(ValueError, match="scores for 2 responses"):
         score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
                         temperature=1.0, reward_fn=lambda p, r: [1.0], prompts=prompts, tokenizer=tiny_tokenizer)
+
+
+def test_trim_padding_cuts_the_columns_every_row_pads():
+    query_ids = torch.tensor([[0, 0, 0, 5, 6], [0, 0, 4, 4, 4]])
+    query_mask = query_ids != 0
+    response_ids = torch.tensor([[7, 2, 0, 0], [7, 7, 7, 0]])
+    response_mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    q_ids, q_mask, r_ids, r_mask = trim_padding(query_ids, query_mask, response_ids, response_mask)
+    assert q_ids.tolist() == [[0, 5, 6], [4, 4, 4]] and q_mask.tolist() == [[False, True, True], [True] * 3]
+    assert r_ids.tolist() == [[7, 2, 0], [7, 7, 7]] and r_mask.tolist() == [[True, True, False], [True] * 3]
+    empty = trim_padding(query_ids, query_mask, response_ids, torch.zeros_like(response_mask))
+    assert empty[2].shape == (2, 1)  # one response column stays, so a forward still has a token to score
+    assert trim_padding(query_ids[:, 2:], query_mask[:, 2:], response_ids[:, :3], response_mask[:, :3])[0].shape[1] == 3
+
+
+def test_length_sorted_chunks_cover_every_row_once():
+    generator = torch.Generator().manual_seed(0)
+    query_mask = torch.arange(9) >= torch.randint(0, 9, (11, 1), generator=generator)
+    response_mask = torch.arange(7) < torch.randint(0, 8, (11, 1), generator=generator)
+    lengths = query_mask.sum(1) + response_mask.sum(1)
+    for chunk_size in (1, 3, 11, 50):
+        chunks = length_sorted_chunks(query_mask, response_mask, chunk_size)
+        assert sorted(torch.cat(chunks).tolist()) == list(range(11))
+        assert all(len(c) <= chunk_size for c in chunks) and len(chunks) == -(-11 // chunk_size)
+        ordered = lengths[torch.cat(chunks)]
+        assert (ordered[:-1] >= ordered[1:]).all()
+    with pytest.raises(ValueError, match="chunk_size"):
+        length_sorted_chunks(query_mask, response_mask, 0)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 10])
+def test_forward_in_chunks_equals_one_padded_forward(chunk_size):
+    """Length-sorted, trimmed chunks give what one forward over the whole padded batch gives, in row order,
+    for per-token and per-row outputs, with gradients."""
+    policy = _eight_token_lm(0)
+    critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(3, 8, (int(n),), generator=generator).tolist()
+               for n in torch.randint(0, 20, (10,), generator=generator)]
+    query_ids, query_mask = pad_sequences(prompts, PAD, "left")
+    batch = (query_ids, query_mask.bool(), *_sample(policy, query_ids, query_mask.bool(), range(10)))
+    assert batch[3].sum(1).unique().numel() > 2  # ragged responses too
+
+    def logprobs(*rows):
+        return response_logprobs(policy, *rows, temperature=0.7)
+
+    def scores(*rows):
+        return critic.score(torch.cat(rows[0::2], 1), torch.cat(rows[1::2], 1).long())
+
+    for forward in (logprobs, lambda *rows: response_values(critic, *rows), scores):
+        chunked = forward_in_chunks(forward, *batch, chunk_size=chunk_size)
+        whole = forward(*batch)
+        assert chunked.shape == whole.shape
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+    chunked = forward_in_chunks(logprobs, *batch, chunk_size=chunk_size)
+    chunked.sum().backward()
+    expected = torch.autograd.grad(logprobs(*batch).sum(), policy.lm_head.weight)[0]
+    torch.testing.assert_close(policy.lm_head.weight.grad, expected, atol=1e-5, rtol=1e-5)

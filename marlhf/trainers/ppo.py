@@ -51,7 +51,8 @@ from marlhf.losses import policy_loss, value_loss
 from marlhf.modeling import (LLAMA_ATTENTION, AdaptersDisabled, ScalarHeadModel, add_lora, load_causal_lm,
                              load_tokenizer, pad_sequences)
 from marlhf.rewards import code_rewards
-from marlhf.rollout import Rollout, RewardFn, generate_responses, response_logprobs, response_values, score_responses
+from marlhf.rollout import (Rollout, RewardFn, generate_responses, length_sorted_chunks, response_logprobs,
+                            response_values, score_responses, trim_padding)
 from marlhf.segments import fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token
 from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
                                     make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
@@ -77,6 +78,9 @@ class PPOConfig(TrainingConfig):
         8, "responses per optimizer update (per process); each is split into gradient_accumulation_steps pieces",
         ge=1)
     ppo_epochs: int = option(1, "passes of PPO updates over each rollout", ge=1)
+    forward_batch_size: int | None = option(
+        None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
+              "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
     max_prompt_length: int = option(512, "prompts longer than N tokens are dropped (as the released code does)",
                                     ge=1)
     max_response_length: int = option(512, "sample at most N response tokens", ge=1)
@@ -334,6 +338,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
     plan = BatchPlan(len(prompt_ids), dataclasses.replace(config, gradient_accumulation_steps=1), accelerator)
     updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)
+    piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
     policy_optimizer = make_optimizer(policy, config)
     policy_scheduler = make_scheduler(policy_optimizer, config, plan.total_steps * updates_per_step)
     policy, policy_optimizer = accelerator.prepare(policy, policy_optimizer)
@@ -383,7 +388,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 trained_outputs = dict(policy=policy, critic=critic)
             rollout = score_responses(
                 *batch, ref=ref, temperature=config.temperature, reward_model=reward_model, reward_fn=reward_fn,
-                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer, **trained_outputs)
+                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer,
+                chunk_size=config.forward_batch_size or piece_size, **trained_outputs)
         scoring_end = _clock(device)
         mask = rollout.response_mask
 
@@ -416,28 +422,33 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
                 # processes' gradients, hence the factor num_processes).
                 num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
-                pieces = mini_batch.chunk(config.gradient_accumulation_steps)
+                # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
+                # a token sum, which does not depend on how the mini-batch is split.
+                pieces = [mini_batch[rows] for rows in length_sorted_chunks(
+                    rollout.query_mask[mini_batch], mask[mini_batch], piece_size)]
                 for piece_index, piece in enumerate(pieces):
                     is_last_piece = piece_index == len(pieces) - 1
                     weight = mask[piece].sum() * accelerator.num_processes / num_tokens
-                    inputs = (rollout.query_ids[piece], rollout.query_mask[piece], rollout.response_ids[piece],
-                              mask[piece])
+                    inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
+                                          rollout.response_ids[piece], mask[piece])
+                    piece_mask = inputs[3]
+                    cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
                     with accumulation_context(accelerator, policy, is_last_piece):
-                        logprobs = kept_logprobs[piece] if config.reuses_rollout_forward else response_logprobs(
+                        logprobs = kept_logprobs[piece, cols] if config.reuses_rollout_forward else response_logprobs(
                             policy, *inputs, temperature=config.temperature)
-                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece], advantages[piece],
-                                                        mask[piece], segment_ids[piece], config.clip_range,
-                                                        config.ratio_granularity)
+                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
+                                                        advantages[piece, cols], piece_mask, segment_ids[piece, cols],
+                                                        config.clip_range, config.ratio_granularity)
                         accelerator.backward(pg_loss * weight)
                     stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
                              "policy/approxkl": pg_stats["approxkl"]}
                     if critic is not None:
                         with accumulation_context(accelerator, critic, is_last_piece):
-                            values = kept_values[piece] if config.reuses_rollout_forward else response_values(
+                            values = kept_values[piece, cols] if config.reuses_rollout_forward else response_values(
                                 critic, *inputs)
-                            vf_loss, vf_stats = value_loss(values, rollout.values[piece], returns[piece], mask[piece],
-                                                           segment_ids[piece], config.value_clip_range,
-                                                           config.value_weighting)
+                            vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
+                                                           piece_mask, segment_ids[piece, cols],
+                                                           config.value_clip_range, config.value_weighting)
                             accelerator.backward(vf_loss * weight)
                         stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
                     for name, value in stats.items():
