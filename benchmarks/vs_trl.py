@@ -6,14 +6,21 @@ trainer, 0.26.0 is the last with one, under trl.experimental.ppo, and it needs t
 
     python3 -m venv .venv-trl
     .venv-trl/bin/pip install torch==2.13.0 trl==0.26.0 transformers==4.57.6
-    .venv/bin/python benchmarks/vs_trl.py [--batch 16] [--new-tokens 64] [--steps 6] [--warmup 2] [--threads N]
+    .venv/bin/python benchmarks/vs_trl.py [--batch 16] [--pieces 1] [--prompt-lengths 32 64] [--new-tokens 64]
+                                          [--rollout-logprobs recompute] [--steps 6] [--warmup 2] [--threads N]
+    # the paper's PPO shape (32 rows a device, 8 accumulation pieces of 4) with prompts of ragged length:
+    .venv/bin/python benchmarks/vs_trl.py --batch 32 --pieces 8 --prompt-lengths 32 256 --steps 4
 
 Workload (both sides): a Llama policy of ~5M parameters built from a config (random weights, no download), a
 reference copy, a value model and a reward model of the same shape, a word-level tokenizer of 4,096 words, `batch`
-prompts of 32-64 tokens per step, up to `new_tokens` sampled tokens per response (TRL runs without a stop token;
-marlhf stops at EOS, which a random model rarely samples: the mean response length is printed), temperature
-0.7, no top-k/top-p, one PPO epoch over one mini-batch of the whole rollout, KL coefficient 0.05, gamma 1,
-lambda 0.95, AdamW. marlhf uses fixed n-grams with n=1.
+prompts per step with lengths drawn from `prompt-lengths`, up to `new_tokens` sampled tokens per response (TRL
+runs without a stop token; marlhf stops at EOS, which a random model rarely samples: the mean response length is
+printed), temperature 0.7, no top-k/top-p, one PPO epoch over one mini-batch of the whole rollout split into
+`pieces` gradient-accumulation pieces, KL coefficient 0.05, gamma 1, lambda 0.95, AdamW; marlhf uses fixed
+n-grams with n=1. How each side works: TRL generates and scores the whole batch at once, every row padded to the
+batch's widest, and keeps the policy log-probs of its sampling pass; marlhf scores and updates in length-sorted
+pieces with their common padding cut, takes the policy log-probs from a separate forward pass unless
+`--rollout-logprobs sampling`, and with one piece reuses the rollout's policy and critic forwards in the update.
 
 Measured: seconds per PPO step after `warmup` steps, median and min (the median resists other processes on a
 shared machine; both sides use the same number of torch threads). marlhf: its time/step_seconds metric; TRL:
@@ -39,7 +46,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE = 4096
 LLAMA = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+             num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
 TEMPERATURE = 0.7
 KL_COEF = 0.05
 
@@ -72,9 +79,9 @@ def llama_config(tokenizer, **extra):
                        eos_token_id=tokenizer.eos_token_id, **extra)
 
 
-def prompt_texts(count: int) -> list[str]:
+def prompt_texts(count: int, lengths: tuple[int, int]) -> list[str]:
     rng = random.Random(0)
-    return [" ".join(f"w{rng.randrange(VOCAB_SIZE - 3)}" for _ in range(rng.randint(32, 64))) for _ in range(count)]
+    return [" ".join(f"w{rng.randrange(VOCAB_SIZE - 3)}" for _ in range(rng.randint(*lengths))) for _ in range(count)]
 
 
 def run_marlhf(args) -> dict:
@@ -90,14 +97,15 @@ def run_marlhf(args) -> dict:
     policy = LlamaForCausalLM(llama_config(tokenizer))
     torch.manual_seed(1)
     reward_model = ScalarHeadModel(LlamaForCausalLM(llama_config(tokenizer)).model)
-    prompts = [{"prompt": text} for text in prompt_texts(args.batch * (args.warmup + args.steps))]
+    prompts = [{"prompt": text} for text in prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)]
     with tempfile.TemporaryDirectory() as output_dir:
         config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=args.batch,
-                           mini_batch_size=args.batch, max_prompt_length=64, max_response_length=args.new_tokens,
-                           max_length=64 + args.new_tokens, max_steps=args.warmup + args.steps, termination="fixed",
+                           mini_batch_size=args.batch, gradient_accumulation_steps=args.pieces,
+                           max_prompt_length=args.prompt_lengths[1], max_response_length=args.new_tokens,
+                           max_length=args.prompt_lengths[1] + args.new_tokens, max_steps=args.warmup + args.steps, termination="fixed",
                            ngram=1, temperature=TEMPERATURE, top_k=0, top_p=1.0, kl_coef=KL_COEF, gamma=1.0, lam=0.95,
                            ppo_epochs=1, save_steps=0, learning_rate=1e-5, critic_learning_rate=1e-5, warmup_ratio=0.0,
-                           lr_scheduler="linear", seed=0)
+                           lr_scheduler="linear", seed=0, rollout_logprobs=args.rollout_logprobs)
         rss_before = rss_mib()
         train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
         metrics = read_metrics(output_dir)
@@ -119,7 +127,7 @@ def run_trl(args) -> dict:
     reward_model = LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1))
     value_model = LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1))
     value_model.load_state_dict(reward_model.state_dict())  # the critic starts from the reward model, as in marlhf
-    texts = prompt_texts(args.batch * (args.warmup + args.steps))
+    texts = prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)
     dataset = Dataset.from_dict({"input_ids": [tokenizer(text)["input_ids"] for text in texts]})
 
     step_ends: list[float] = []
@@ -129,7 +137,8 @@ def run_trl(args) -> dict:
             step_ends.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as output_dir:
-        config = PPOConfig(output_dir=output_dir, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        config = PPOConfig(output_dir=output_dir, per_device_train_batch_size=args.batch // args.pieces,
+                           gradient_accumulation_steps=args.pieces,
                            num_mini_batches=1, local_rollout_forward_batch_size=args.batch,
                            total_episodes=args.batch * (args.warmup + args.steps), response_length=args.new_tokens,
                            temperature=TEMPERATURE, num_ppo_epochs=1, kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0,
@@ -154,7 +163,9 @@ def child(side: str, args) -> dict:
     python = {"marlhf": REPO_ROOT / ".venv" / "bin" / "python", "trl": REPO_ROOT / ".venv-trl" / "bin" / "python"}[side]
     if not python.exists():
         raise SystemExit(f"{python} is missing: create it as the docstring of {Path(__file__).name} says")
-    command = [str(python), __file__, "--side", side, "--batch", str(args.batch), "--new-tokens",
+    command = [str(python), __file__, "--side", side, "--batch", str(args.batch), "--pieces", str(args.pieces),
+               "--prompt-lengths", *map(str, args.prompt_lengths), "--rollout-logprobs", args.rollout_logprobs,
+               "--new-tokens",
                str(args.new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
                str(args.threads)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRL_EXPERIMENTAL_SILENCE": "1", "TQDM_DISABLE": "1"}
@@ -167,6 +178,12 @@ def child(side: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16, help="prompts (= responses) per PPO step")
+    parser.add_argument("--pieces", type=int, default=1,
+                        help="gradient-accumulation pieces the update splits each step's rows into")
+    parser.add_argument("--prompt-lengths", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
+                        help="prompt lengths in tokens, drawn uniformly")
+    parser.add_argument("--rollout-logprobs", choices=("recompute", "sampling"), default="recompute",
+                        help="marlhf's rollout_logprobs (TRL always keeps those of its sampling pass)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6, help="measured steps after warm-up")
     parser.add_argument("--warmup", type=int, default=2)
@@ -174,6 +191,8 @@ def main() -> None:
                         help="torch threads of each side (1: stable figures on a shared machine)")
     parser.add_argument("--side", choices=("marlhf", "trl"), help=argparse.SUPPRESS)  # internal: one child run
     args = parser.parse_args()
+    if args.batch % args.pieces:
+        parser.error(f"--pieces ({args.pieces}) must divide --batch ({args.batch})")
 
     if args.side is not None:
         import torch
@@ -186,7 +205,9 @@ def main() -> None:
 
     results = {side: child(side, args) for side in ("marlhf", "trl")}
     print(f"PPO step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, x4 models), batch "
-          f"{args.batch}, {args.new_tokens} new tokens, 1 epoch x 1 mini-batch, {args.steps} steps after "
+          f"{args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, {args.new_tokens} new "
+          f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs={args.rollout_logprobs}, "
+          f"{args.steps} steps after "
           f"{args.warmup} warm-up, CPU ({os.cpu_count()} cores, {args.threads} torch threads)")
     for side, result in results.items():
         seconds = result["step_seconds"]

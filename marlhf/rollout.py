@@ -65,6 +65,28 @@ class RowGumbelNoise(LogitsProcessor):
         return scores - torch.log(-torch.log(uniform))  # uniform = 0 gives -inf: that token is never drawn
 
 
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records the log-probability of the token drawn at each step under the scores it is handed (placed right
+    after the temperature warper: logits / temperature, before top-k / top-p truncation). The token drawn at
+    one step is read from `input_ids` at the next, so one `[B, V]` distribution is kept at a time."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = scores.float().log_softmax(-1)
+        return scores
+
+    def logprobs(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """`[B, T]` log-probs of the T drawn tokens, given the tokens drawn at the last step `[B]`."""
+        if self.last is None:
+            raise ValueError("no token was drawn")
+        return torch.stack([*self.steps, self.last.gather(1, last_tokens[:, None]).squeeze(1)], dim=1)
+
+
 @torch.no_grad()
 def generate_responses(
     policy: nn.Module,
@@ -78,11 +100,15 @@ def generate_responses(
     eos_token_id: int | Sequence[int],
     pad_token_id: int,
     row_seeds: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_logprobs: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
-    `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns `(response_ids, response_mask)`, `[B, T]` with T <= max_new_tokens, padding filled
-    with `pad_token_id`. Sampling settings not given here (e.g. a repetition penalty) come from
-    `policy.generation_config`."""
+    `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns
+    `(response_ids, response_mask)`, `[B, T]` with T <= max_new_tokens, padding filled with `pad_token_id`,
+    and with `return_logprobs` the sampling pass's log-probs of the drawn tokens under logits / temperature
+    `[B, T]` (0 on padding; those of response_logprobs up to float error, larger in low precision). Sampling
+    settings not given here (e.g. a repetition penalty) come from `policy.generation_config`; such
+    settings act before the temperature, so the returned log-probs include them."""
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
@@ -97,6 +123,9 @@ def generate_responses(
         raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {query_ids.shape[0]} prompts")
     # Sampling = greedy decoding of temperature / top-k / top-p scores plus per-row Gumbel noise.
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    recorder = SampledTokenLogprobs()
+    if return_logprobs:
+        processors.append(recorder)
     if top_k > 0:
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1:
@@ -117,7 +146,10 @@ def generate_responses(
     )
     response_ids = sequences[:, query_ids.shape[1] :]
     response_mask = response_mask_from_ids(response_ids, eos_token_id)
-    return response_ids.masked_fill(~response_mask, pad_token_id), response_mask
+    response_ids = response_ids.masked_fill(~response_mask, pad_token_id)
+    if not return_logprobs:
+        return response_ids, response_mask
+    return response_ids, response_mask, recorder.logprobs(sequences[:, -1]).masked_fill(~response_mask, 0.0)
 
 
 def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,

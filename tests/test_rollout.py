@@ -258,3 +258,18 @@ def test_forward_in_chunks_equals_one_padded_forward(chunk_size):
     chunked.sum().backward()
     expected = torch.autograd.grad(logprobs(*batch).sum(), policy.lm_head.weight)[0]
     torch.testing.assert_close(policy.lm_head.weight.grad, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 0.9)])
+def test_sampling_pass_logprobs_equal_a_full_forward(top_k, top_p):
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    response_ids, response_mask, logprobs = _sample(policy, query_ids, query_mask, range(10), temperature=0.7,
+                                                    top_k=top_k, top_p=top_p, return_logprobs=True)
+    again, _ = _sample(policy, query_ids, query_mask, range(10), temperature=0.7, top_k=top_k, top_p=top_p)
+    assert torch.equal(again, response_ids)  # recording changes nothing about the draw
+    assert (~response_mask).any(), "the seeds should give rows that end early"
+    with torch.no_grad():
+        expected = response_logprobs(policy, query_ids, query_mask, response_ids, response_mask, 0.7)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
+    assert (logprobs[~response_mask] == 0).all()

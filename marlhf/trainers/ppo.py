@@ -78,6 +78,11 @@ class PPOConfig(TrainingConfig):
         8, "responses per optimizer update (per process); each is split into gradient_accumulation_steps pieces",
         ge=1)
     ppo_epochs: int = option(1, "passes of PPO updates over each rollout", ge=1)
+    rollout_logprobs: Literal["recompute", "sampling"] = option(
+        "recompute", "the rollout's policy log-probs: a forward pass over prompt + response (exact), or kept from "
+                     "the sampling pass (one forward fewer per step, as TRL's PPO does; a KV-cached pass can differ "
+                     "from a full forward, more so in bf16). One update per step takes them from the update's "
+                     "forward either way")
     forward_batch_size: int | None = option(
         None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
               "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
@@ -371,11 +376,12 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         for model, _, _ in updaters:
             model.eval()  # generate with the KV cache (train mode with gradient checkpointing turns it off)
         with accelerator.autocast():
-            response_ids, response_mask = generate_responses(
+            response_ids, response_mask, *sampled_logprobs = generate_responses(
                 accelerator.unwrap_model(policy), query_ids, query_mask, row_seeds=row_seeds,
                 max_new_tokens=config.max_response_length,
                 temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                return_logprobs=config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward)
             generation_end = _clock(device)
             batch = (query_ids, query_mask, response_ids, response_mask)
             if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
@@ -384,6 +390,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 kept_logprobs = response_logprobs(policy, *batch, temperature=config.temperature)
                 kept_values = response_values(critic, *batch) if critic is not None else None
                 trained_outputs = dict(logprobs=kept_logprobs, values=kept_values)
+            elif sampled_logprobs:
+                trained_outputs = dict(logprobs=sampled_logprobs[0], critic=critic)
             else:
                 trained_outputs = dict(policy=policy, critic=critic)
             rollout = score_responses(

@@ -148,6 +148,30 @@ def test_reusing_the_rollout_forward_equals_recomputing_it(tmp_path, make_tiny_c
         assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
+def test_sampling_pass_logprobs_save_a_forward_and_train_alike(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
+                                                               monkeypatch):
+    import marlhf.rollout as rollout
+
+    config = _config(tmp_path, mini_batch_size=2, max_steps=3)  # two updates a step: no forward is reused
+    results = []
+    for source in ("recompute", "sampling"):
+        calls = []
+        forward = rollout.response_logprobs
+        monkeypatch.setattr(rollout, "response_logprobs", lambda *a, **k: calls.append(1) or forward(*a, **k))
+        output_dir = tmp_path / source
+        policy = train_ppo(dataclasses.replace(config, output_dir=str(output_dir), rollout_logprobs=source), RECORDS,
+                           policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+        monkeypatch.undo()
+        results.append((policy.state_dict(), read_metrics(output_dir), len(calls)))
+    (recomputed, recomputed_metrics, recomputed_calls), (sampled, sampled_metrics, sampled_calls) = results
+    # per step, in two chunks of the update's piece size: policy + reference, or the reference only
+    assert (recomputed_calls, sampled_calls) == (2 * 2 * 3, 1 * 2 * 3)
+    for name, tensor in recomputed.items():
+        torch.testing.assert_close(sampled[name], tensor, rtol=0, atol=1e-4, msg=name)
+    for mine, theirs in zip(sampled_metrics, recomputed_metrics, strict=True):
+        assert mine["objective/kl"] == pytest.approx(theirs["objective/kl"], abs=1e-4)
+
+
 def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
     """Rows scored and updated in small length-sorted pieces with their padding cut train like one piece."""
     records = [{"prompt": "Human: " + "more " * k + "\n\nAssistant:"} for k in (0, 9, 2, 14, 5, 1, 11, 3)]
