@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import token_gae
@@ -232,28 +233,41 @@ def test_code_reward_fn_scores_programs_on_their_record_tests():
         code_reward_fn([{"prompt": "add", "input_output": tests}, {"prompt": "add", "input_output": "{}"}])
 
 
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora):
     """Loaded from directories as the CLI does: policy/reference from the SFT dir, critic and frozen reward
     model from the reward-model dir. Killed after logging step 2 (before its checkpoint), resumed from
-    checkpoint-1: steps 2 and 3 must come out as in the uninterrupted run."""
+    checkpoint-1: steps 2 and 3 and the final policy must come out as in the uninterrupted run. A LoRA run's
+    checkpoints hold the adapters (and the critic's head) only; the frozen weights come from the paths again."""
     torch.manual_seed(0)
     reward_model_dir = tmp_path / "rm"
     ScalarHeadModel(make_tiny_causal_lm(seed=7).model).save_pretrained(reward_model_dir)
     common = dict(model_name_or_path=str(tiny_model_dir), reward_model_name_or_path=str(reward_model_dir),
                   max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2)
+    if lora:
+        common.update(use_lora=True, lora_r=4, lora_alpha=8.0)
     straight = _config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
     train_ppo(straight, RECORDS)
 
     crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
     run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed, RECORDS, kill_after=2,
                      work_dir=tmp_path)
-    assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == ["checkpoint-1"]
-    assert {p.name for p in (tmp_path / "crashed" / "checkpoint-1").iterdir()} >= {
+    checkpoint = tmp_path / "crashed" / "checkpoint-1"
+    assert list_checkpoints(tmp_path / "crashed") == [checkpoint]
+    assert {p.name for p in checkpoint.iterdir()} >= {
         "policy", "critic", "optimizer.policy.json", "optimizer.critic.json", "scheduler.policy.json",
         "rng_state.0.json", "trainer_state.json"}
+    assert (checkpoint / "policy" / "model.safetensors").exists() != lora
+    if lora:
+        critic_files = {p.name for p in (checkpoint / "critic").iterdir()}
+        assert {"adapter_model.safetensors", "scalar_head.safetensors"} <= critic_files
     assert read_metrics(tmp_path / "crashed")[-1]["step"] == 2
 
     train_ppo(dataclasses.replace(crashed, resume="latest"), RECORDS)
     after_resume = _metrics_without_timings(tmp_path / "crashed")
     assert [m["step"] for m in after_resume] == [1, 2, 3]
     assert after_resume == _metrics_without_timings(tmp_path / "straight")
+    resumed_policy = load_file(str(tmp_path / "crashed" / "model.safetensors"))
+    straight_policy = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    assert resumed_policy.keys() == straight_policy.keys()
+    assert all(torch.equal(resumed_policy[k], straight_policy[k]) for k in straight_policy)

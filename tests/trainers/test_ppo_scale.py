@@ -3,7 +3,6 @@ second copy), bf16 autocast and gradient checkpointing reach the rollout and the
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import pytest
@@ -13,12 +12,10 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 import marlhf.trainers.ppo as ppo
-from marlhf.checkpoint import list_checkpoints
 from marlhf.logging_utils import read_metrics
-from marlhf.modeling import AdaptersDisabled, ScalarHeadModel
+from marlhf.modeling import AdaptersDisabled
 from marlhf.trainers.ppo import PPOConfig, train_ppo
-from tests.trainers.killed_run import run_until_killed
-from tests.trainers.test_ppo import RECORDS, _metrics_without_timings, count_e
+from tests.trainers.test_ppo import RECORDS, count_e
 
 
 def _live_causal_lms() -> set[int]:
@@ -79,37 +76,6 @@ def test_lora_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="lora_r"):
         _config(tmp_path, lora_r=0)
     assert _config(tmp_path, resume="latest").resume == "latest"  # LoRA runs resume like full ones
-
-
-def test_lora_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm):
-    """Checkpoints of a LoRA run hold the adapters (and the critic's head) only; the frozen base weights come
-    from the model paths again. Killed after logging step 2, resumed from checkpoint-1: steps 2 and 3 and the
-    final merged policy must come out as in the uninterrupted run."""
-    torch.manual_seed(0)
-    reward_model_dir = tmp_path / "rm"
-    ScalarHeadModel(make_tiny_causal_lm(seed=7).model).save_pretrained(reward_model_dir)
-    common = dict(model_name_or_path=str(tiny_model_dir), reward_model_name_or_path=str(reward_model_dir),
-                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2)
-    straight = _config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
-    train_ppo(straight, RECORDS)
-
-    crashed = _config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
-    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed, RECORDS, kill_after=2,
-                     work_dir=tmp_path)
-    checkpoint = tmp_path / "crashed" / "checkpoint-1"
-    assert [p.name for p in list_checkpoints(tmp_path / "crashed")] == [checkpoint.name]
-    critic_files = {p.name for p in (checkpoint / "critic").iterdir()}
-    assert {"adapter_model.safetensors", "scalar_head.safetensors"} <= critic_files
-    assert not (checkpoint / "policy" / "model.safetensors").exists()  # adapters only
-
-    train_ppo(dataclasses.replace(crashed, resume="latest"), RECORDS)
-    after_resume = _metrics_without_timings(tmp_path / "crashed")
-    assert [m["step"] for m in after_resume] == [1, 2, 3]
-    assert after_resume == _metrics_without_timings(tmp_path / "straight")
-    resumed_policy = load_file(str(tmp_path / "crashed" / "model.safetensors"))
-    straight_policy = load_file(str(tmp_path / "straight" / "model.safetensors"))
-    assert resumed_policy.keys() == straight_policy.keys()
-    assert all(torch.equal(resumed_policy[k], straight_policy[k]) for k in straight_policy)
 
 
 @pytest.fixture
