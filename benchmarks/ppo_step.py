@@ -4,7 +4,8 @@ A Llama-like policy of about 5M parameters (built from a config, random weights,
 reference, a critic and a frozen reward model of the same size, a word-level tokenizer of 4,096 words.
 Each step samples 64 new tokens for 16 prompts of 32-64 tokens (EOS is rare in a random model, so nearly
 every response is 64 tokens), scores them (policy, reference, critic and reward-model forwards), and
-runs one PPO epoch (default mini-batch 16: one update of policy and critic). The first `--warmup`
+runs one PPO epoch (default mini-batch 16: one update of policy and critic, which reuses the scoring's policy
+and critic forwards, so "scoring" includes them and "update" is mostly backward passes). The first `--warmup`
 steps are dropped; the mean and min of the rest are printed, from the time/* metrics train_ppo logs.
 
     python benchmarks/ppo_step.py [--batch 16] [--new-tokens 64] [--steps 6] [--warmup 2] [--ngram 5] [--threads N]

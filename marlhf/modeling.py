@@ -101,10 +101,13 @@ class ScalarHeadModel(nn.Module):
             model.activation_checkpointing_enable()
         return model
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        self.backbone.save_pretrained(directory)
-        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
-                  str(Path(directory) / self.HEAD_FILE))
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """`state_dict`: the weights to save in place of the model's own (under FSDP the gathered full ones)."""
+        state_dict = state_dict if state_dict is not None else self.state_dict()
+        backbone = {k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")}
+        self.backbone.save_pretrained(directory, state_dict=backbone)
+        head = {k.removeprefix("head."): v.contiguous() for k, v in state_dict.items() if k.startswith("head.")}
+        save_file(head, str(Path(directory) / self.HEAD_FILE))
 
     def activation_checkpointing_enable(self) -> None:
         self.backbone.activation_checkpointing_enable()

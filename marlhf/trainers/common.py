@@ -88,8 +88,10 @@ def maybe_save_checkpoint(config: RunConfig, step: int, accelerator: Accelerator
 
 def save_final_model(model: torch.nn.Module, tokenizer, directory: str | Path, accelerator: Accelerator) -> None:
     accelerator.wait_for_everyone()
+    # Collective: under FSDP each process holds a shard of the weights, gathered here into the main process's copy.
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(directory)
+        accelerator.unwrap_model(model).save_pretrained(directory, state_dict=state_dict)
         tokenizer.save_pretrained(directory)
     accelerator.wait_for_everyone()
 

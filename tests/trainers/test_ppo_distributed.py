@@ -2,7 +2,9 @@
 
 Rollouts are sampled from per-sample seeds (run seed, step, global row index), so rank r's rows are rows
 r*P..(r+1)*P-1 of the single-process batch; whitening, loss normalisation and baselines are reduced across
-ranks. The final policies must agree to float tolerance.
+ranks. The final policies must agree to float tolerance, under DDP and under FSDP2 (policy and critic sharded
+per transformer block with configs/accelerate/fsdp.yaml's settings, in float32 on CPU: see
+ppo_data_parallel_run.py).
 """
 
 from __future__ import annotations
@@ -29,22 +31,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(output_dir: Path, processes: int, prompts_per_process: int, advantage: str) -> None:
+def _run(output_dir: Path, processes: int, prompts_per_process: int, advantage: str, sharding: str = "ddp") -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(RUN), str(output_dir),
-               str(prompts_per_process), advantage]
+               str(prompts_per_process), advantage, sharding]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The 1-process run with 4 prompts of an advantage estimator, made once for the module."""
+    made: dict[str, Path] = {}
+
+    def run(advantage: str) -> Path:
+        if advantage not in made:
+            made[advantage] = tmp_path_factory.mktemp(f"ppo_one_{advantage}")
+            _run(made[advantage], processes=1, prompts_per_process=4, advantage=advantage)
+        return made[advantage]
+
+    return run
+
+
 # gae: critic, macro GAE, advantages whitened over all rows; reinforce: no critic, baseline = mean over all rows.
-@pytest.fixture(scope="module", params=["gae", "reinforce"])
-def runs(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"ppo_dp_{request.param}")
-    _run(root / "one", processes=1, prompts_per_process=4, advantage=request.param)
-    _run(root / "two", processes=2, prompts_per_process=2, advantage=request.param)
-    return root / "one", root / "two"
+# fsdp: the policy and the critic sharded across the 2 processes (the run checks that they were).
+@pytest.fixture(scope="module", params=[("gae", "ddp"), ("reinforce", "ddp"), ("gae", "fsdp")], ids="-".join)
+def runs(request, one_process_run, tmp_path_factory):
+    advantage, sharding = request.param
+    two = tmp_path_factory.mktemp(f"ppo_two_{sharding}_{advantage}")
+    _run(two, processes=2, prompts_per_process=2, advantage=advantage, sharding=sharding)
+    return one_process_run(advantage), two
 
 
 def test_two_processes_train_like_one_with_the_doubled_batch(runs):
