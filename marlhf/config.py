@@ -31,6 +31,7 @@ from typing import Any, Literal
 import yaml
 
 _NONE_WORDS = ("none", "null")
+LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # Llama / Gemma / Mistral / Qwen module names
 
 
 def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
@@ -269,6 +270,14 @@ class TrainingConfig(RunConfig):
     max_steps: int | None = option(None, "stop after N optimizer steps (overrides num_epochs)", ge=1)
     max_prompt_length: int = option(512, "prompts are truncated to their last N tokens", ge=1)
     max_length: int = option(1024, "prompt + response tokens, responses are truncated to fit", ge=2)
+
+    # LoRA (peft); PPO and DPO restate use_lora's help for their models.
+    use_lora: bool = option(
+        False, "train LoRA adapters instead of all weights (a reward model's value head trains fully); checkpoints "
+               "hold the adapters, the final model is saved with them merged in")
+    lora_r: int = option(8, "LoRA rank", ge=1)
+    lora_alpha: float = option(16.0, "LoRA scale numerator (scale = alpha / r)", gt=0)
+    lora_target_modules: tuple[str, ...] = option(LLAMA_ATTENTION, "names of the linear layers that get adapters")
 
     def validate(self) -> None:
         super().validate()

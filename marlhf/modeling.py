@@ -21,12 +21,18 @@ API:
     add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=LLAMA_ATTENTION) -> model with LoRA adapters
         (peft): a causal LM becomes a peft.PeftModel; a ScalarHeadModel keeps its class, its backbone gets the
         adapters and its head stays fully trainable. Only adapter (and head) parameters require grad.
-    AdaptersDisabled(peft_model)(**forward kwargs): the base model's forward (adapters switched off) without a
-        second copy of the weights: PPO's frozen reference when the policy trains LoRA adapters.
+    apply_lora(model, config) -> add_lora with the config's lora_r, lora_alpha, lora_target_modules if
+        config.use_lora, else the model as it is (what the trainers call)
+    merge_lora(model) -> a plain copy (causal LM, or ScalarHeadModel with a plain backbone) with the adapters
+        merged into its weights, for the final save; `model` keeps its adapters
+    AdaptersDisabled(peft_model)(**forward kwargs): the base model's forward (adapters switched off, eval mode)
+        without a second copy of the weights: the frozen reference of PPO and DPO when the policy trains LoRA
+        adapters.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -36,8 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-
-LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # Llama / Gemma / Mistral / Qwen module names
+from marlhf.config import LLAMA_ATTENTION, TrainingConfig
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -199,9 +204,25 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora_config))
 
 
+def apply_lora(model: nn.Module, config: TrainingConfig) -> nn.Module:
+    if not config.use_lora:
+        return model
+    return add_lora(model, r=config.lora_r, alpha=config.lora_alpha, target_modules=config.lora_target_modules)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Copy first: the trained adapters stay in `model` (a later save or inspection still sees them)."""
+    model = copy.deepcopy(model)
+    if isinstance(model, ScalarHeadModel):
+        model.backbone = model.backbone.merge_and_unload()
+        return model
+    return model.merge_and_unload()
+
+
 class AdaptersDisabled:
-    """Calls a peft model with its adapters switched off. Deliberately not an nn.Module: it must not
-    register the policy as a submodule (freezing or moving the reference would touch the policy)."""
+    """Calls a peft model with its adapters switched off, in eval mode like a frozen copy (no dropout).
+    Deliberately not an nn.Module: it must not register the policy as a submodule (freezing or moving the
+    reference would touch the policy)."""
 
     def __init__(self, peft_model: nn.Module) -> None:
         if not hasattr(peft_model, "disable_adapter"):
@@ -209,5 +230,10 @@ class AdaptersDisabled:
         self.peft_model = peft_model
 
     def __call__(self, **kwargs) -> Any:
-        with self.peft_model.disable_adapter():
-            return self.peft_model(**kwargs)
+        was_training = self.peft_model.training
+        self.peft_model.eval()
+        try:
+            with self.peft_model.disable_adapter():
+                return self.peft_model(**kwargs)
+        finally:
+            self.peft_model.train(was_training)

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
-from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, add_lora, sequence_logprobs
+from marlhf.config import TrainingConfig
+from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, add_lora, apply_lora, merge_lora, sequence_logprobs
 
 
 def _nudge_adapters(model) -> None:
@@ -46,6 +48,46 @@ def test_lora_critic_keeps_a_trainable_head(make_tiny_causal_lm):
     values.sum().backward()
     assert critic.head.weight.grad is not None
     assert all(p.grad is None for name, p in critic.named_parameters() if not p.requires_grad)
+
+
+def test_disabled_adapters_run_in_eval_mode(make_tiny_causal_lm):
+    """The reference of a LoRA policy in train mode must not see the policy's dropout."""
+    model = add_lora(make_tiny_causal_lm(), r=2)
+    for layer in model.get_base_model().model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids = torch.randint(3, 300, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = sequence_logprobs(model.eval(), ids, mask)  # B = 0: adapters are a no-op
+        model.train()
+        assert not torch.allclose(sequence_logprobs(model, ids, mask), expected)  # dropout is on
+        torch.testing.assert_close(sequence_logprobs(AdaptersDisabled(model), ids, mask), expected)
+    assert model.training
+
+
+def test_apply_lora_follows_the_config_and_merge_lora_copies(make_tiny_causal_lm):
+    plain = make_tiny_causal_lm()
+    assert apply_lora(plain, TrainingConfig(use_lora=False)) is plain
+    model = apply_lora(plain, TrainingConfig(use_lora=True, lora_r=2, lora_alpha=6.0, lora_target_modules=("v_proj",)))
+    lora_layer = model.get_base_model().model.layers[0].self_attn.v_proj
+    assert lora_layer.r["default"] == 2 and lora_layer.scaling["default"] == 3.0
+    assert not hasattr(model.get_base_model().model.layers[0].self_attn.q_proj, "lora_A")
+    _nudge_adapters(model)
+    ids = torch.randint(3, 300, (2, 9))
+    mask = torch.ones_like(ids)
+    merged = merge_lora(model)
+    assert type(merged) is LlamaForCausalLM and not any("lora_" in n for n, _ in merged.named_parameters())
+    assert any("lora_" in n for n, _ in model.named_parameters())  # the model keeps its adapters
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(merged, ids, mask), sequence_logprobs(model, ids, mask))
+
+    critic = add_lora(ScalarHeadModel(make_tiny_causal_lm().model), r=2)
+    _nudge_adapters(critic)
+    merged_critic = merge_lora(critic)
+    assert isinstance(merged_critic, ScalarHeadModel)
+    assert not any("lora_" in n for n, _ in merged_critic.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged_critic(ids, mask), critic(ids, mask))
 
 
 def test_lora_bad_input(make_tiny_causal_lm):

@@ -2,7 +2,9 @@
 
     model = train_dpo(DPOConfig(model_name_or_path=..., output_dir=...), records)
 The reference is ref_model_name_or_path (default: the starting policy itself), loaded once and frozen;
-without a path and with a `model` passed in, the reference is a frozen copy of that model.
+without a path and with a `model` passed in, the reference is a frozen copy of that model. With use_lora the
+policy trains LoRA adapters and, without a reference path, the reference is the policy with its adapters
+switched off (no second copy); the final model is saved (and returned) with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from tqdm.auto import tqdm
 from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import dpo_loss
-from marlhf.modeling import load_causal_lm, load_tokenizer, sequence_logprobs
+from marlhf.modeling import (AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, merge_lora,
+                             sequence_logprobs)
 from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
                                     make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
                                     require_fields, save_final_model, start_run)
@@ -33,6 +36,9 @@ class DPOConfig(TrainingConfig):
     beta: float = option(0.1, "DPO inverse temperature on the implicit reward", gt=0)
     label_smoothing: float = option(0.0, "conservative DPO: assumed probability that a label is flipped", ge=0, lt=0.5)
     ref_model_name_or_path: str | None = option(None, "frozen reference model (none: the starting policy)")
+    use_lora: bool = option(
+        False, "train LoRA adapters on the policy; without ref_model_name_or_path the reference is the policy with "
+               "its adapters off (no second copy); checkpoints hold the adapters, the final model is saved merged")
 
 
 def response_logprob_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -50,10 +56,13 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
     if model is None:
         model = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
-    if ref_model is None:
-        ref_model = (load_causal_lm(config.ref_model_name_or_path, config.dtype) if config.ref_model_name_or_path
-                     else copy.deepcopy(model))
-    ref_model.requires_grad_(False).eval().to(accelerator.device)
+    model = apply_lora(model, config)
+    if ref_model is None and config.ref_model_name_or_path:
+        ref_model = load_causal_lm(config.ref_model_name_or_path, config.dtype)
+    elif ref_model is None:  # the starting policy: its weights with the adapters off, or a copy
+        ref_model = AdaptersDisabled(model) if config.use_lora else copy.deepcopy(model)
+    if isinstance(ref_model, torch.nn.Module):
+        ref_model.requires_grad_(False).eval().to(accelerator.device)
     pairs = encode_pairs(tokenizer, records, config)
 
     plan = BatchPlan(len(pairs), config, accelerator)
@@ -91,5 +100,7 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()
+    if config.use_lora:
+        model = merge_lora(accelerator.unwrap_model(model))
     save_final_model(model, tokenizer, config.output_dir, accelerator)
     return accelerator.unwrap_model(model)

@@ -48,8 +48,8 @@ from marlhf.config import TrainingConfig, option
 from marlhf.evaluation.repetition import token_repetition
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, value_loss
-from marlhf.modeling import (LLAMA_ATTENTION, AdaptersDisabled, ScalarHeadModel, add_lora, load_causal_lm,
-                             load_tokenizer, pad_sequences)
+from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
+                             merge_lora, pad_sequences)
 from marlhf.rewards import code_rewards
 from marlhf.rollout import (Rollout, RewardFn, generate_responses, length_sorted_chunks, response_logprobs,
                             response_values, score_responses, trim_padding)
@@ -136,13 +136,10 @@ class PPOConfig(TrainingConfig):
     value_clip_range: float | None = option(
         0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
 
-    # LoRA.
+    # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
     use_lora: bool = option(
         False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
                "(no second copy); the final policy is saved merged")
-    lora_r: int = option(8, "LoRA rank", ge=1)
-    lora_alpha: float = option(16.0, "LoRA scale numerator (scale = alpha / r)", gt=0)
-    lora_target_modules: tuple[str, ...] = option(LLAMA_ATTENTION, "names of the linear layers that get adapters")
 
     def validate(self) -> None:
         super().validate()
@@ -326,9 +323,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 model.activation_checkpointing_enable()
     # The reference is the SFT model, before any update (when resuming, the checkpoint is loaded later).
     if config.use_lora:
-        lora = dict(r=config.lora_r, alpha=config.lora_alpha, target_modules=config.lora_target_modules)
-        policy = add_lora(policy, **lora)
-        critic = add_lora(critic, **lora) if critic is not None else None
+        policy = apply_lora(policy, config)
+        critic = apply_lora(critic, config) if critic is not None else None
         ref = ref if ref is not None else AdaptersDisabled(policy)
     elif ref is None:
         ref = copy.deepcopy(policy)
@@ -496,6 +492,6 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     logger.close()
     policy = accelerator.unwrap_model(policy)
     if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
-        policy = copy.deepcopy(policy).merge_and_unload()
+        policy = merge_lora(policy)
     save_final_model(policy, tokenizer, config.output_dir, accelerator)
     return policy

@@ -4,7 +4,8 @@
 The model is a marlhf.modeling.ScalarHeadModel whose score is its value at the last real token (the
 EOS appended to each response). A held-out split (eval_fraction of the records, drawn with the seed, or
 the eval_records passed in) is scored every eval_steps and at the end: eval/accuracy is the fraction of
-pairs where the chosen response scores strictly higher.
+pairs where the chosen response scores strictly higher. With use_lora the backbone trains LoRA adapters and
+the value head trains fully; the final model is saved (and returned) with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import bradley_terry_loss
-from marlhf.modeling import ScalarHeadModel, last_token_index, load_tokenizer
+from marlhf.modeling import ScalarHeadModel, apply_lora, last_token_index, load_tokenizer, merge_lora
 from marlhf.trainers.common import (BatchPlan, accumulation_context, collate_prompt_response,
                                     encode_prompt_response, make_accelerator, make_optimizer, make_scheduler,
                                     maybe_save_checkpoint, optimizer_step, records_from_config, require_fields,
@@ -107,6 +108,7 @@ def train_reward_model(config: RewardConfig, records: list[dict[str, Any]] | Non
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
     if model is None:
         model = ScalarHeadModel.from_pretrained(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    model = apply_lora(model, config)
     pairs, eval_pairs = encode_pairs(tokenizer, records, config), encode_pairs(tokenizer, eval_records, config)
 
     plan = BatchPlan(len(pairs), config, accelerator)
@@ -146,5 +148,7 @@ def train_reward_model(config: RewardConfig, records: list[dict[str, Any]] | Non
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()
+    if config.use_lora:
+        model = merge_lora(accelerator.unwrap_model(model))
     save_final_model(model, tokenizer, config.output_dir, accelerator)
     return accelerator.unwrap_model(model)

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on {"prompt", "response"} records; the loss covers response tokens only.
 
     model = train_sft(SFTConfig(model_name_or_path=..., output_dir=...), records)
-The final model and tokenizer are saved to output_dir (load them with from_pretrained(output_dir)).
+The final model and tokenizer are saved to output_dir (load them with from_pretrained(output_dir)); with
+use_lora, LoRA adapters are trained and the final model is saved (and returned) with them merged in.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tqdm.auto import tqdm
 
 from marlhf.config import TrainingConfig, option
 from marlhf.logging_utils import reduce_metrics
-from marlhf.modeling import load_causal_lm, load_tokenizer
+from marlhf.modeling import apply_lora, load_causal_lm, load_tokenizer, merge_lora
 from marlhf.trainers.common import (BatchPlan, accumulation_context, collate_prompt_response,
                                     encode_prompt_response, make_accelerator, make_optimizer, make_scheduler,
                                     maybe_save_checkpoint, optimizer_step, records_from_config, require_fields,
@@ -47,6 +48,7 @@ def train_sft(config: SFTConfig, records: list[dict[str, Any]] | None = None, mo
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
     if model is None:
         model = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    model = apply_lora(model, config)
     examples = [encode_prompt_response(tokenizer, r["prompt"], r["response"], config.max_prompt_length,
                                        config.max_length) for r in records]
 
@@ -80,5 +82,7 @@ def train_sft(config: SFTConfig, records: list[dict[str, Any]] | None = None, mo
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()
+    if config.use_lora:
+        model = merge_lora(accelerator.unwrap_model(model))
     save_final_model(model, tokenizer, config.output_dir, accelerator)
     return accelerator.unwrap_model(model)

@@ -55,6 +55,36 @@ def test_reward_model_learns_the_preference(tmp_path, tiny_tokenizer, make_tiny_
         torch.testing.assert_close(pair_scores(reloaded, batch)[0], chosen)
 
 
+def test_reward_lora_trains_adapters_and_head_and_saves_the_merged_model(tmp_path, tiny_tokenizer,
+                                                                        make_tiny_causal_lm, tiny_records):
+    model = ScalarHeadModel(make_tiny_causal_lm().model)
+    start_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], _config(tmp_path)),
+                          tiny_tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        margin_before = torch.sub(*pair_scores(model, batch)).mean().item()
+    config = _config(tmp_path, use_lora=True, lora_r=4, lora_alpha=8.0, learning_rate=1e-2)
+    trained = train_reward_model(config, tiny_records["rm"], model=model, tokenizer=tiny_tokenizer)
+
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]  # model keeps its adapters
+    assert "head.weight" in trainable and all("lora_" in n or n.startswith("head.") for n in trainable)
+    assert isinstance(trained, ScalarHeadModel) and not any("lora_" in n for n, _ in trained.named_parameters())
+    with torch.no_grad():
+        chosen, rejected = pair_scores(trained, batch)
+    assert (chosen - rejected).mean().item() > margin_before + 1.0
+
+    # The saved model is plain (backbone weights + head) and scores as the trained one does.
+    reloaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    saved = {f"backbone.{k}": v for k, v in reloaded.backbone.state_dict().items()}
+    saved.update({f"head.{k}": v for k, v in reloaded.head.state_dict().items()})
+    assert saved.keys() == start_weights.keys()
+    changed = {k for k in saved if not torch.equal(saved[k], start_weights[k])}
+    attention = {k for k in saved if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))}
+    assert changed == attention | {"head.weight", "head.bias"}
+    with torch.no_grad():
+        torch.testing.assert_close(pair_scores(reloaded, batch)[0], chosen)
+
+
 def test_reward_config_validation(tmp_path):
     with pytest.raises(ValueError, match="eval_fraction"):
         _config(tmp_path, eval_fraction=1.0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
 from marlhf.checkpoint import list_checkpoints
 from marlhf.logging_utils import read_metrics
@@ -53,6 +54,34 @@ def test_sft_loss_goes_down(tmp_path, make_tiny_causal_lm, tiny_tokenizer, tiny_
     assert {"loss", "grad_norm", "learning_rate", "epoch"} <= set(metrics[0])
     assert metrics[-1]["epoch"] == 4.0
     assert (tmp_path / "sft" / "model.safetensors").exists() and (tmp_path / "sft" / "config.yaml").exists()
+
+
+ATTENTION_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+def test_sft_lora_trains_adapters_and_saves_the_merged_model(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
+                                                            tiny_records):
+    model = make_tiny_causal_lm()
+    start_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    before = _fixed_batch_loss(model, tiny_tokenizer, tiny_records["sft"])
+    config = _config(tmp_path, use_lora=True, lora_r=4, lora_alpha=8.0, learning_rate=3e-2, save_steps=4)
+    trained = train_sft(config, tiny_records["sft"], model=model, tokenizer=tiny_tokenizer)
+
+    # add_lora put the adapters into `model` itself; merge_lora kept them there
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert isinstance(trained, LlamaForCausalLM)  # merged: no peft wrapper, no LoRA layers
+    # 5.79 -> 5.53: adapters on the attention only, with random frozen embeddings and LM head, learn less
+    assert _fixed_batch_loss(trained, tiny_tokenizer, tiny_records["sft"]) < before - 0.15
+    assert (tmp_path / "sft" / "checkpoint-4" / "model" / "adapter_model.safetensors").exists()
+
+    saved = load_file(str(tmp_path / "sft" / "model.safetensors"))
+    assert saved.keys() == start_weights.keys()
+    changed = [k for k in saved if not torch.equal(saved[k], start_weights[k])]
+    assert sorted(changed) == sorted(k for k in saved if k.endswith(ATTENTION_WEIGHTS))  # 2 layers x q, k, v, o
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "sft")
+    assert _fixed_batch_loss(reloaded, tiny_tokenizer, tiny_records["sft"]) == pytest.approx(
+        _fixed_batch_loss(trained, tiny_tokenizer, tiny_records["sft"]), abs=1e-5)
 
 
 def test_sft_rejects_bad_records(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
