@@ -22,6 +22,8 @@ Non-tensor structure goes to the .json file and tensors to the .safetensors file
 A checkpoint is written to a temporary directory and renamed into place, so a crash never leaves a
 partial checkpoint-<step>. Models must provide save_pretrained / from_pretrained (Hugging Face models
 and marlhf.modeling.ScalarHeadModel do) or be peft models; they may be wrapped by accelerator.prepare.
+Under FSDP (version 2) the checkpoint holds the full weights and optimizer states, gathered from the
+processes' shards, in the same files as an unsharded run; on resume each process takes its shards from them.
 Adapters are loaded into the model passed to load_checkpoint: its frozen base weights must be the run's
 (the trainer loads them again from the same path).
 """
@@ -168,13 +170,22 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, torch.n
         tmp.mkdir(parents=True)
     _wait(accelerator)
     save_state(tmp / f"rng_state.{process_index}", rng_state())
-    if is_main:
-        for name, model in models.items():
-            _unwrap(model, accelerator).save_pretrained(tmp / name)
+    for name, model in models.items():
+        model = _unwrap(model, accelerator)
+        state_dict = _gathered_model_state(model)  # collective under FSDP; None: the model saves its own weights
+        if is_main:
+            model.save_pretrained(tmp / name, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / name)
-        for name, optimizer in (optimizers or {}).items():
-            save_state(tmp / f"optimizer.{name}", optimizer.state_dict())
+    for name, optimizer in (optimizers or {}).items():
+        sharded_model = _sharded_model_of(name, optimizer, models, accelerator)
+        if sharded_model is not None:
+            state = _gathered_optimizer_state(sharded_model, optimizer, is_main)  # collective
+        else:
+            state = optimizer.state_dict()
+        if is_main:
+            save_state(tmp / f"optimizer.{name}", state)
+    if is_main:
         for name, scheduler in (schedulers or {}).items():
             save_state(tmp / f"scheduler.{name}", scheduler.state_dict())
         save_state(tmp / "trainer_state", {**(trainer_state or {}), "step": step})
@@ -202,7 +213,12 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
     for name, model in models.items():
         _load_weights(_unwrap(model, accelerator), path / name)
     for name, optimizer in (optimizers or {}).items():
-        optimizer.load_state_dict(load_state(path / f"optimizer.{name}"))
+        state = load_state(path / f"optimizer.{name}")
+        sharded_model = _sharded_model_of(name, optimizer, models, accelerator)
+        if sharded_model is not None:
+            _shard_optimizer_state(sharded_model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
     for name, scheduler in (schedulers or {}).items():
         scheduler.load_state_dict(load_state(path / f"scheduler.{name}"))
     process_index = 0 if accelerator is None else accelerator.process_index
@@ -215,24 +231,38 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
 
 
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Load what model.save_pretrained(directory) wrote into `model`, in place."""
+    """Load what model.save_pretrained(directory) wrote into `model`, in place (under FSDP: its shards)."""
     from peft import PeftModel  # imported on resume only: it takes seconds
 
-    if isinstance(model, PeftModel):
-        _load_adapters(model, directory)
-    elif isinstance(model, ScalarHeadModel):  # its save_pretrained: the backbone's files + the head's
-        _load_weights(model.backbone, directory)
-        model.head.load_state_dict(load_file(str(directory / ScalarHeadModel.HEAD_FILE)))
-    elif (directory / "adapter_config.json").exists():
-        raise ValueError(f"{directory} holds LoRA adapters only: resume it with use_lora on")
+    weights = _saved_weights(model, directory)
+    adapters_only = any(isinstance(module, PeftModel) for module in model.modules())  # the frozen base stays
+    if _is_sharded(model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Every process reads the same full weights and keeps its shards of them.
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=not adapters_only))
     else:
-        loaded = type(model).from_pretrained(directory)
-        model.load_state_dict(loaded.state_dict())
+        model.load_state_dict(weights, strict=not adapters_only)
 
 
-def _load_adapters(model: torch.nn.Module, directory: Path) -> None:
+def _saved_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The weights model.save_pretrained(directory) wrote, named as in model.state_dict()."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return _saved_adapters(model, directory)
+    if isinstance(model, ScalarHeadModel):  # its save_pretrained: the backbone's files + the head's
+        head = load_file(str(directory / ScalarHeadModel.HEAD_FILE))
+        return {**{f"backbone.{name}": value for name, value in _saved_weights(model.backbone, directory).items()},
+                **{f"head.{name}": value for name, value in head.items()}}
+    if (directory / "adapter_config.json").exists():
+        raise ValueError(f"{directory} holds LoRA adapters only: resume it with use_lora on")
+    return type(model).from_pretrained(directory).state_dict()
+
+
+def _saved_adapters(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
     """A peft model's save_pretrained writes its adapters only; its base weights stay those it holds."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from peft.utils import SAFETENSORS_WEIGHTS_NAME
 
     adapter_file = directory / SAFETENSORS_WEIGHTS_NAME
@@ -240,12 +270,93 @@ def _load_adapters(model: torch.nn.Module, directory: Path) -> None:
         raise ValueError(f"{directory} holds no LoRA adapters ({SAFETENSORS_WEIGHTS_NAME}): resume a LoRA run "
                          "from a checkpoint of a LoRA run")
     adapters = load_file(str(adapter_file))
-    expected = get_peft_model_state_dict(model).keys()
-    if adapters.keys() != expected:
-        differing = sorted(adapters.keys() ^ expected)
+    own = model.state_dict()
+    own_by_saved_name = get_peft_model_state_dict(model, state_dict=own)  # entries of `own`, named as peft saves them
+    if adapters.keys() != own_by_saved_name.keys():
+        differing = sorted(adapters.keys() ^ own_by_saved_name.keys())
         raise ValueError(f"{adapter_file} holds other adapters than the model's (other lora_target_modules?): "
                          f"{len(differing)} weights differ, such as {differing[0]}")
-    set_peft_model_state_dict(model, adapters)
+    # peft saves an adapter weight without the adapter's name ("lora_A.weight" for "lora_A.default.weight"):
+    # the model's own tensors, looked up under their saved names, give the model's name of each.
+    model_name = {id(value): name for name, value in own.items()}
+    return {model_name[id(own_by_saved_name[name])]: value for name, value in adapters.items()}
+
+
+# ---- FSDP: full state on disk, shards in memory -------------------------------------------------
+# Under FSDP (version 2) each process holds a shard of every parameter (a DTensor) and of its optimizer state.
+# Checkpoints hold the full state, in the layout of an unsharded run: every process takes part in gathering
+# it onto the main process, which writes it; on resume every process reads it and keeps its own shards.
+
+def _is_sharded(parameters) -> bool:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in parameters)
+
+
+def _gathered_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full weights on the main process (empty on the others) when `model` is sharded, else None."""
+    if not _is_sharded(model.parameters()):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _sharded_model_of(name: str, optimizer: torch.optim.Optimizer, models: dict[str, torch.nn.Module],
+                      accelerator) -> torch.nn.Module | None:
+    """The model whose sharded parameters `optimizer` updates (the model of the same name), or None."""
+    if not _is_sharded(p for group in optimizer.param_groups for p in group["params"]):
+        return None
+    if name not in models:
+        raise ValueError(f"optimizer {name!r} updates FSDP-sharded parameters: pass their model in models "
+                         f"under the same name {name!r}")
+    return _unwrap(models[name], accelerator)
+
+
+def _plain_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    # torch.distributed.checkpoint steps an optimizer without state (lr 0, zero gradients) to create it: not
+    # through Accelerate's wrapper, which may skip the step (gradient accumulation) or count it in its grad scaler.
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _gathered_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              is_main: bool) -> dict[str, Any] | None:
+    """The full optimizer state on the main process (None on the others), as optimizer.state_dict() of an
+    unsharded run has it: parameters numbered in param_groups order (torch.distributed.checkpoint names them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, _plain_optimizer(optimizer),
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    number = {fqn: index for index, fqn in enumerate(_parameter_names(state))}
+    return {"state": {number[fqn]: value for fqn, value in state["state"].items()},
+            "param_groups": [{**group, "params": [number[fqn] for fqn in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full optimizer state (numbered parameters, as saved) into the optimizer of a sharded model."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    optimizer = _plain_optimizer(optimizer)
+    names = _parameter_names(get_optimizer_state_dict(model, optimizer))  # this process's state: names only
+    saved = sum(len(group["params"]) for group in state["param_groups"])
+    if saved != len(names):
+        raise ValueError(f"the checkpoint's optimizer state is for {saved} parameters, the optimizer has {len(names)}")
+    named = {"state": {names[index]: value for index, value in state["state"].items()},
+             "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                              for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+def _parameter_names(optimizer_state: dict[str, Any]) -> list[str]:
+    return [fqn for group in optimizer_state["param_groups"] for fqn in group["params"]]
 
 
 def _wait(accelerator) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 from transformers import get_scheduler
 
 from marlhf.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
@@ -44,6 +44,18 @@ from marlhf.modeling import pad_sequences
 def make_accelerator(config: RunConfig) -> Accelerator:
     # cpu=True on machines without an accelerator lets `accelerate launch`/torchrun run multi-process on CPU.
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.accelerator.is_available())
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+        # Accelerate turns FSDP on only in distributed runs on GPUs (or NPUs, ...) and otherwise runs unsharded
+        # without a word: on a CPU-only machine `accelerate launch --config_file fsdp.yaml` gives DDP.
+        raise ValueError(f"the launch asks for FSDP (ACCELERATE_USE_FSDP=true) but Accelerate set up "
+                         f"{accelerator.distributed_type.value} ({accelerator.num_processes} process(es)): it shards "
+                         "with FSDP only in distributed runs on GPUs (or other accelerators), not on CPUs; launch "
+                         "with configs/accelerate/ddp.yaml to train unsharded")
+    if accelerator.distributed_type == DistributedType.FSDP and getattr(config, "use_lora", False):
+        # Seen on CPU under FSDP2: peft's generate mixes sharded and plain tensors, and merging the adapters
+        # into a copy of the sharded model fails.
+        raise ValueError("use_lora does not work under FSDP yet: train LoRA adapters with DDP "
+                         "(configs/accelerate/ddp.yaml), or train all weights under FSDP")
     set_seed(config.seed)
     return accelerator
 

@@ -4,10 +4,13 @@ Rollouts are sampled from per-sample seeds (run seed, step, global row index), s
 r*P..(r+1)*P-1 of the single-process batch; whitening, loss normalisation and baselines are reduced across
 ranks. The final policies must agree to float tolerance, under DDP and under FSDP2 (policy and critic sharded
 per transformer block with configs/accelerate/fsdp.yaml's settings, in float32 on CPU: see
-ppo_data_parallel_run.py).
+ppo_data_parallel_run.py). Under FSDP2, checkpoints gather the full weights and optimizer states, and a run
+resumed from one continues exactly like the uninterrupted run.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import os
 import socket
@@ -31,13 +34,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(output_dir: Path, processes: int, prompts_per_process: int, advantage: str, sharding: str = "ddp") -> None:
+def _run(output_dir: Path, processes: int, prompts_per_process: int, advantage: str, sharding: str = "ddp",
+         *options: str) -> str:
+    """Run ppo_data_parallel_run.py (options: --max_steps=N, --save_steps=N, --resume=...); return its stdout."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(RUN), str(output_dir),
-               str(prompts_per_process), advantage, sharding]
+               str(prompts_per_process), advantage, sharding, *options]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +60,26 @@ def one_process_run(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """The 2-process run with 2 prompts each of an advantage estimator and a sharding, made once for the module."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def run(advantage: str, sharding: str) -> Path:
+        if (advantage, sharding) not in made:
+            made[advantage, sharding] = tmp_path_factory.mktemp(f"ppo_two_{sharding}_{advantage}")
+            _run(made[advantage, sharding], processes=2, prompts_per_process=2, advantage=advantage, sharding=sharding)
+        return made[advantage, sharding]
+
+    return run
+
+
 # gae: critic, macro GAE, advantages whitened over all rows; reinforce: no critic, baseline = mean over all rows.
 # fsdp: the policy and the critic sharded across the 2 processes (the run checks that they were).
 @pytest.fixture(scope="module", params=[("gae", "ddp"), ("reinforce", "ddp"), ("gae", "fsdp")], ids="-".join)
-def runs(request, one_process_run, tmp_path_factory):
+def runs(request, one_process_run, two_process_run):
     advantage, sharding = request.param
-    two = tmp_path_factory.mktemp(f"ppo_two_{sharding}_{advantage}")
-    _run(two, processes=2, prompts_per_process=2, advantage=advantage, sharding=sharding)
-    return one_process_run(advantage), two
+    return one_process_run(advantage), two_process_run(advantage, sharding)
 
 
 def test_two_processes_train_like_one_with_the_doubled_batch(runs):
@@ -85,3 +103,71 @@ def test_the_update_changed_the_policy(runs, tiny_tokenizer):
     start = build_tiny_causal_lm(tiny_tokenizer).state_dict()
     trained = load_file(str(runs[1] / "model.safetensors"))
     assert any(not torch.allclose(trained[name], start[name]) for name in trained)
+
+
+def test_fsdp_run_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(two_process_run, tmp_path,
+                                                                                  tiny_tokenizer):
+    """2 processes, FSDP2: step 1 saved (a collective gather of weights and optimizer states), then a second
+    launch resumes from it (each process takes its shards) for step 2. The checkpoint holds what an unsharded
+    run's holds; the resumed run's weights and metrics must equal those of the uninterrupted 2-step run."""
+    from tests.conftest import build_tiny_causal_lm
+    from tests.trainers.test_ppo import _metrics_without_timings
+    from transformers import AutoModelForCausalLM
+
+    from marlhf.checkpoint import load_state
+
+    straight = two_process_run("gae", "fsdp")
+    resumed = tmp_path / "resumed"
+    _run(resumed, 2, 2, "gae", "fsdp", "--max_steps=1", "--save_steps=1")
+
+    checkpoint = resumed / "checkpoint-1"
+    full_shapes = {name: p.shape for name, p in build_tiny_causal_lm(tiny_tokenizer).named_parameters()}
+    saved_policy = AutoModelForCausalLM.from_pretrained(checkpoint / "policy")
+    assert {name: p.shape for name, p in saved_policy.named_parameters()} == full_shapes
+    for name in ("policy", "critic"):  # numbered as optimizer.state_dict() numbers the parameters, not sharded
+        optimizer = load_state(checkpoint / f"optimizer.{name}")
+        numbers = [number for group in optimizer["param_groups"] for number in group["params"]]
+        assert sorted(optimizer["state"]) == numbers == list(range(len(numbers)))
+    policy_moments = load_state(checkpoint / "optimizer.policy")["state"]
+    assert [policy_moments[i]["exp_avg"].shape for i in range(len(full_shapes))] == list(full_shapes.values())
+
+    stdout = _run(resumed, 2, 2, "gae", "fsdp", "--max_steps=2", "--save_steps=1", "--resume=latest")
+    assert f"resumed from {checkpoint} at step 1" in stdout
+    assert (resumed / "checkpoint-2").is_dir()
+    assert _metrics_without_timings(resumed) == _metrics_without_timings(straight)
+    policy_resumed, policy_straight = (load_file(str(run / "model.safetensors")) for run in (resumed, straight))
+    assert policy_resumed.keys() == policy_straight.keys()
+    assert all(torch.equal(policy_resumed[name], policy_straight[name]) for name in policy_straight)
+
+
+def test_fsdp_asked_for_but_not_set_up_is_an_error(monkeypatch, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/fsdp.yaml` on a CPU-only machine: Accelerate would
+    run unsharded (here: one process) without a word."""
+    from accelerate.state import AcceleratorState
+
+    from marlhf.trainers.common import make_accelerator
+    from marlhf.trainers.ppo import PPOConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    AcceleratorState._reset_state(reset_partial_state=True)  # Accelerate keeps one process-wide state
+    try:
+        with pytest.raises(ValueError, match="asks for FSDP"):
+            make_accelerator(PPOConfig(output_dir=str(tmp_path), model_name_or_path="unused"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_lora_under_fsdp_is_an_error(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from marlhf.trainers import common
+    from marlhf.trainers.ppo import PPOConfig
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2)
+    monkeypatch.setattr(common, "Accelerator", lambda **kwargs: fsdp)
+    config = PPOConfig(output_dir=str(tmp_path), model_name_or_path="unused", use_lora=True)
+    with pytest.raises(ValueError, match="use_lora does not work under FSDP"):
+        common.make_accelerator(config)
+    assert common.make_accelerator(dataclasses.replace(config, use_lora=False)) is fsdp
