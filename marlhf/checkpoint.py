@@ -23,7 +23,8 @@ A checkpoint is written to a temporary directory and renamed into place, so a cr
 partial checkpoint-<step>. Models must provide save_pretrained / from_pretrained (Hugging Face models
 and marlhf.modeling.ScalarHeadModel do) or be peft models; they may be wrapped by accelerator.prepare.
 Under FSDP (version 2) the checkpoint holds the full weights and optimizer states, gathered from the
-processes' shards, in the same files as an unsharded run; on resume each process takes its shards from them.
+processes' shards, in the same files as an unsharded run; on resume the main process reads them and sends
+each process its shards.
 Adapters are loaded into the model passed to load_checkpoint: its frozen base weights must be the run's
 (the trainer loads them again from the same path).
 """
@@ -213,12 +214,11 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
     for name, model in models.items():
         _load_weights(_unwrap(model, accelerator), path / name)
     for name, optimizer in (optimizers or {}).items():
-        state = load_state(path / f"optimizer.{name}")
         sharded_model = _sharded_model_of(name, optimizer, models, accelerator)
         if sharded_model is not None:
-            _shard_optimizer_state(sharded_model, optimizer, state)
+            _shard_optimizer_state(sharded_model, optimizer, path / f"optimizer.{name}")
         else:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(load_state(path / f"optimizer.{name}"))
     for name, scheduler in (schedulers or {}).items():
         scheduler.load_state_dict(load_state(path / f"scheduler.{name}"))
     process_index = 0 if accelerator is None else accelerator.process_index
@@ -234,15 +234,17 @@ def _load_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load what model.save_pretrained(directory) wrote into `model`, in place (under FSDP: its shards)."""
     from peft import PeftModel  # imported on resume only: it takes seconds
 
-    weights = _saved_weights(model, directory)
     adapters_only = any(isinstance(module, PeftModel) for module in model.modules())  # the frozen base stays
     if _is_sharded(model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        # Every process reads the same full weights and keeps its shards of them.
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=not adapters_only))
+        # Only the main process reads the full weights (one copy in host memory, not one per process); it
+        # sends every process its shards.
+        weights = _saved_weights(model, directory) if torch.distributed.get_rank() == 0 else {}
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                      strict=not adapters_only))
     else:
-        model.load_state_dict(weights, strict=not adapters_only)
+        model.load_state_dict(_saved_weights(model, directory), strict=not adapters_only)
 
 
 def _saved_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
@@ -285,7 +287,8 @@ def _saved_adapters(model: torch.nn.Module, directory: Path) -> dict[str, torch.
 # ---- FSDP: full state on disk, shards in memory -------------------------------------------------
 # Under FSDP (version 2) each process holds a shard of every parameter (a DTensor) and of its optimizer state.
 # Checkpoints hold the full state, in the layout of an unsharded run: every process takes part in gathering
-# it onto the main process, which writes it; on resume every process reads it and keeps its own shards.
+# it onto the main process, which writes it; on resume the main process reads it and sends each process its
+# shards.
 
 def _is_sharded(parameters) -> bool:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -339,20 +342,25 @@ def _gathered_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
                              for group in state["param_groups"]]}
 
 
-def _shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a full optimizer state (numbered parameters, as saved) into the optimizer of a sharded model."""
+def _shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
+    """Load a full optimizer state (numbered parameters, as saved in `file`) into the optimizer of a sharded
+    model: the main process reads it and sends every process its shards."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
     optimizer = _plain_optimizer(optimizer)
     names = _parameter_names(get_optimizer_state_dict(model, optimizer))  # this process's state: names only
-    saved = sum(len(group["params"]) for group in state["param_groups"])
-    if saved != len(names):
-        raise ValueError(f"the checkpoint's optimizer state is for {saved} parameters, the optimizer has {len(names)}")
-    named = {"state": {names[index]: value for index, value in state["state"].items()},
-             "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
-                              for group in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    named = {}
+    if torch.distributed.get_rank() == 0:
+        state = load_state(file)
+        saved = sum(len(group["params"]) for group in state["param_groups"])
+        if saved != len(names):
+            raise ValueError(f"{file}: optimizer state for {saved} parameters, the optimizer has {len(names)}")
+        named = {"state": {names[index]: value for index, value in state["state"].items()},
+                 "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                                  for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _parameter_names(optimizer_state: dict[str, Any]) -> list[str]:

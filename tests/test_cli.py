@@ -39,6 +39,8 @@ def test_bad_option_value_is_a_usage_error(capsys):
         cli.main(["sft", "--no_such_option", "1"])
     with pytest.raises(SystemExit):
         cli.main([])
+    with pytest.raises(SystemExit, match="marlhf demo: error: methods\\[0\\] must be one of"):
+        cli.main(["demo", "--methods", "foo"])
 
 
 def test_sft_from_yaml_and_flags_end_to_end(tmp_path, tiny_model_dir, tiny_records):

@@ -20,10 +20,13 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     from marlhf.demo.config import DemoConfig
     from marlhf.demo.pipeline import run_demo
 
-    config = DemoConfig.from_arguments(arguments)  # defaults < --config file < flags
-    if arguments.quick:  # the quick preset replaces the options left at their defaults
-        defaults = DemoConfig().to_dict()
-        config = DemoConfig.quick(**{k: v for k, v in config.to_dict().items() if v != defaults[k]})
+    try:
+        config = DemoConfig.from_arguments(arguments)  # defaults < --config file < flags
+        if arguments.quick:  # the quick preset replaces the options left at their defaults
+            defaults = DemoConfig().to_dict()
+            config = DemoConfig.quick(**{k: v for k, v in config.to_dict().items() if v != defaults[k]})
+    except ValueError as error:  # a bad option: a usage error like the trainers', not a traceback
+        raise SystemExit(f"marlhf demo: error: {error}") from None
     run_demo(config)
     return 0
 
