@@ -336,10 +336,7 @@ def _gathered_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return None
-    number = {fqn: index for index, fqn in enumerate(_parameter_names(state))}
-    return {"state": {number[fqn]: value for fqn, value in state["state"].items()},
-            "param_groups": [{**group, "params": [number[fqn] for fqn in group["params"]]}
-                             for group in state["param_groups"]]}
+    return _renamed_parameters(state, {fqn: index for index, fqn in enumerate(_parameter_names(state))})
 
 
 def _shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
@@ -356,15 +353,21 @@ def _shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
         saved = sum(len(group["params"]) for group in state["param_groups"])
         if saved != len(names):
             raise ValueError(f"{file}: optimizer state for {saved} parameters, the optimizer has {len(names)}")
-        named = {"state": {names[index]: value for index, value in state["state"].items()},
-                 "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
-                                  for group in state["param_groups"]]}
+        named = _renamed_parameters(state, names)
     set_optimizer_state_dict(model, optimizer, named,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _parameter_names(optimizer_state: dict[str, Any]) -> list[str]:
     return [fqn for group in optimizer_state["param_groups"] for fqn in group["params"]]
+
+
+def _renamed_parameters(optimizer_state: dict[str, Any], rename) -> dict[str, Any]:
+    """`optimizer_state` with each parameter key k (in "state" and the param_groups) replaced by rename[k]:
+    names to numbers (a dict) or numbers to names (a list)."""
+    return {"state": {rename[key]: value for key, value in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [rename[key] for key in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
 
 
 def _wait(accelerator) -> None:
