@@ -4,7 +4,7 @@ Shapes follow :mod:`marlhf.segments`: ``[B, T]`` over response tokens, right-pad
 bool. For row b with segments tau = 0..m-1 (SPEC.md):
 
     R_tau = sum_{t in tau} r_t                      (segment_reward="sum"; "mean" divides by |tau|)
-    V_tau = sum_i sigma_i V_{t_tau + i}             (value_weighting: "equal" | "unit" | "position")
+    V_tau = sum_i sigma_i V_{t_tau + i}             (value_weighting: "equal" | "unit" | "position" | "first")
     delta_tau = R_tau + gamma V_{tau+1} - V_tau,    V_m = 0
     A_tau = sum_l (gamma lam)^l delta_{tau+l},      Q_tau = A_tau + V_tau
 
@@ -21,13 +21,14 @@ import torch
 from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
 from marlhf.segments import (
     broadcast_segments,
+    segment_first_token,
     segment_last_token,
     segment_lengths,
     segment_mean,
     segment_sum,
 )
 
-ValueWeighting = Literal["equal", "unit", "position"]
+ValueWeighting = Literal["equal", "unit", "position", "first"]
 SegmentReward = Literal["sum", "mean"]
 
 __all__ = [
@@ -151,7 +152,10 @@ def segment_weights(
     - ``"equal"``: 1/|tau| on each token;
     - ``"unit"``: 1 on the segment's last token;
     - ``"position"``: (1/(|tau| - i)) / H, i = 0 for the first token, H the normaliser
-      (later tokens weigh more; the last one most).
+      (later tokens weigh more; the last one most);
+    - ``"first"`` (not in the paper): 1 on the segment's first token, i.e. the value of the state
+      where the macro action starts. V_t is the value before token t, so the paper's three mix in
+      states that already hold part of the action being judged; this one does not.
 
     Returns:
         float [B, T], 0 on padding.
@@ -161,13 +165,15 @@ def segment_weights(
         raw = mask.to(dtype)
     elif value_weighting == "unit":
         raw = is_last.to(dtype)
+    elif value_weighting == "first":
+        raw = segment_first_token(segment_ids).to(dtype)
     elif value_weighting == "position":
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(segment_ids)
         last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids), segment_ids)
         remaining = (last_pos - positions + 1).clamp(min=1)  # |tau| - i
         raw = torch.where(mask, 1.0 / remaining.to(dtype), 0.0)
     else:
-        raise ValueError(f"`value_weighting` must be 'equal', 'unit' or 'position', got {value_weighting!r}")
+        raise ValueError(f"`value_weighting` must be 'equal', 'unit', 'position' or 'first', got {value_weighting!r}")
     norm = broadcast_segments(segment_sum(raw, segment_ids), segment_ids)
     return torch.where(mask, raw / norm.clamp(min=1e-12), 0.0)
 

@@ -6,7 +6,9 @@ host sync here; the caller decides when to read them). Shapes follow :mod:`marlh
 With ``segment_ids``, the PPO policy ratio of segment tau is its joint probability ratio
 ``exp(sum_{t in tau} (logprobs_t - old_logprobs_t))``; the clipped surrogate is computed once per
 segment, weighted by the segment's token count and divided by the number of masked tokens, so
-one token per segment is token-mean PPO exactly.
+one token per segment is token-mean PPO exactly. A token's gradient is then |tau| times the token-level
+one for the same advantage; ``segment_weighting`` offers the two alternatives ("uniform": the paper's
+plain mean over segments; "geometric": GSPO's length-normalised ratio).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch.nn.functional as F
 
 from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
 from marlhf.advantages import ValueWeighting, masked_mean, segment_values
-from marlhf.segments import segment_lengths, segment_mean, segment_sum
+from marlhf.segments import num_segments, segment_lengths, segment_mean, segment_sum
 
-__all__ = ["policy_loss", "value_loss", "bradley_terry_loss", "dpo_loss"]
+__all__ = ["policy_loss", "policy_loss_units", "value_loss", "bradley_terry_loss", "dpo_loss"]
+
+SegmentWeighting = Literal["tokens", "uniform", "geometric"]
 
 # exp(20) ~ 4.9e8: a long segment's summed log-ratio is clamped before exp so it cannot overflow.
 MAX_LOG_RATIO = 20.0
@@ -34,6 +38,7 @@ def policy_loss(
     segment_ids: torch.Tensor | None = None,
     clip: float = 0.2,
     ratio_granularity: Literal["macro", "token"] = "macro",
+    segment_weighting: SegmentWeighting = "tokens",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate at token or macro-action granularity.
 
@@ -47,6 +52,11 @@ def policy_loss(
         clip: epsilon of the clipped ratio (> 0).
         ratio_granularity: "macro" clips each segment's joint ratio (the paper); "token" clips
             per-token ratios with the segment advantage copied to each token (the released code).
+        segment_weighting: with macro ratios, "tokens" weighs each segment's surrogate by its token count
+            and divides by the number of masked tokens; "uniform" takes the plain mean over segments (the
+            paper's expectation); "geometric" uses the segment ratio exp(mean_t log-ratio), the geometric
+            mean of its token ratios (GSPO's for sequences), weighted by token count, so a token's gradient
+            at ratio 1 equals the token-level one. The divisor is :func:`policy_loss_units`.
     Returns:
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
@@ -59,6 +69,10 @@ def policy_loss(
         raise ValueError(f"`clip` must be > 0, got {clip}")
     if ratio_granularity not in ("macro", "token"):
         raise ValueError(f"`ratio_granularity` must be 'macro' or 'token', got {ratio_granularity!r}")
+    if segment_weighting not in ("tokens", "uniform", "geometric"):
+        raise ValueError(f"`segment_weighting` must be 'tokens', 'uniform' or 'geometric', got {segment_weighting!r}")
+    if segment_weighting != "tokens" and ratio_granularity == "token":
+        raise ValueError("`segment_weighting` other than 'tokens' needs ratio_granularity='macro'")
 
     zeros = torch.zeros_like(logprobs)
     log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
@@ -72,13 +86,17 @@ def policy_loss(
         weights, units = lengths.to(logprobs.dtype), lengths > 0
         log_ratio = segment_sum(log_ratio, segment_ids, lengths.shape[1])
         advantages = segment_mean(advantages, segment_ids, lengths)
+        if segment_weighting == "geometric":
+            log_ratio = log_ratio / lengths.clamp(min=1)
+        elif segment_weighting == "uniform":
+            weights = units.to(logprobs.dtype)
 
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     surrogate = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
     per_unit = torch.maximum(surrogate, clipped)
-    loss = (per_unit * weights).sum() / mask.sum().clamp(min=1)
+    loss = (per_unit * weights).sum() / policy_loss_units(mask, segment_ids, segment_weighting).clamp(min=1)
 
     with torch.no_grad():
         stats = {
@@ -88,6 +106,16 @@ def policy_loss(
             "ratio_max": torch.where(units, ratio, torch.zeros_like(ratio)).max() if units.numel() else ratio.new_zeros(()),
         }
     return loss, stats
+
+
+def policy_loss_units(mask: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                      segment_weighting: SegmentWeighting = "tokens") -> torch.Tensor:
+    """What :func:`policy_loss` averages over: the number of segments with ``segment_weighting="uniform"``,
+    else the number of masked tokens (0-dim long). A loss over several pieces of a batch is their sum,
+    each weighted by its share of the batch's units."""
+    if segment_weighting == "uniform" and segment_ids is not None:
+        return num_segments(segment_ids).sum()
+    return mask.sum()
 
 
 def value_loss(

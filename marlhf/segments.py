@@ -22,12 +22,15 @@ __all__ = [
     "randomized_ngram",
     "perplexity",
     "parsing",
+    "words",
+    "word_starts",
     "split_last_token",
     "segment_sum",
     "segment_mean",
     "segment_lengths",
     "num_segments",
     "broadcast_segments",
+    "segment_first_token",
     "segment_last_token",
 ]
 
@@ -126,6 +129,60 @@ def perplexity(mask: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(ids).to(mask.device).masked_fill(~mask, -1)
 
 
+def words(mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """One segment per word: a new segment begins at every token that starts a word.
+
+    The first token of a row always begins a segment, whatever ``starts`` says there.
+
+    Args:
+        mask: bool [B, T].
+        starts: bool [B, T], True on tokens that begin a word (see :func:`word_starts`).
+    Returns:
+        segment_ids: long [B, T], -1 on padding.
+    """
+    check_mask(mask)
+    if not isinstance(starts, torch.Tensor) or starts.dtype != torch.bool or starts.shape != mask.shape:
+        raise ValueError(f"`starts` must be a bool tensor shaped like `mask` {tuple(mask.shape)}")
+    starts = starts.clone()
+    if starts.shape[1]:
+        starts[:, 0] = True
+    ids = (starts & mask).long().cumsum(dim=1) - 1
+    return ids.masked_fill(~mask, -1)
+
+
+_WORD_START_TABLES: dict[int, tuple[object, torch.Tensor]] = {}
+
+
+def word_starts(response_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """Bool [B, T]: True on tokens that begin a word, read off the tokenizer's vocabulary.
+
+    With a continuing-subword prefix (WordPiece's or BPE's ``##``, as the demo's tokenizer has), every
+    token without it begins a word; otherwise (byte-level BPE, SentencePiece) the tokens whose text
+    begins with a space marker (``Ġ``, ``▁``) or whitespace do, and special tokens do. A token table
+    per tokenizer is built once.
+    """
+    cached = _WORD_START_TABLES.get(id(tokenizer))
+    if cached is None or cached[0] is not tokenizer:
+        vocab = tokenizer.get_vocab()
+        table = torch.zeros(max(max(vocab.values()) + 1, len(tokenizer)), dtype=torch.bool)
+        prefix = _continuing_subword_prefix(tokenizer)
+        special = set(tokenizer.all_special_tokens)
+        for token, index in vocab.items():
+            if prefix:
+                table[index] = not token.startswith(prefix)
+            else:
+                table[index] = token in special or token[:1] in ("Ġ", "▁", "Ċ") or token[:1].isspace()
+        cached = _WORD_START_TABLES[id(tokenizer)] = (tokenizer, table)
+    table = cached[1].to(response_ids.device)
+    return table[response_ids.clamp(0, table.shape[0] - 1)]
+
+
+def _continuing_subword_prefix(tokenizer) -> str | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    return getattr(model, "continuing_subword_prefix", None) or None
+
+
 def split_last_token(segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give the last real token of each row a segment of its own (the released code's layout,
     where that token carries the reward-model score). Rows whose last segment already has one
@@ -194,6 +251,12 @@ def broadcast_segments(x_seg: torch.Tensor, segment_ids: torch.Tensor) -> torch.
         return x_seg.new_zeros(segment_ids.shape)
     gathered = x_seg.gather(1, segment_ids.clamp(min=0))
     return torch.where(segment_ids >= 0, gathered, torch.zeros_like(gathered))
+
+
+def segment_first_token(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T], True on the first token of every segment."""
+    preceding = torch.cat([segment_ids.new_full((segment_ids.shape[0], 1), -1), segment_ids[:, :-1]], dim=1)
+    return (segment_ids >= 0) & (preceding != segment_ids)
 
 
 def segment_last_token(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def test_gae_rejects_bad_input():
     with pytest.raises(ValueError, match="`segment_ids`"):
         macro_gae(rewards, values, mask, fixed_ngram(mask, 2)[:, :4])
     with pytest.raises(ValueError, match="`value_weighting`"):
-        macro_gae(rewards, values, mask, ids, value_weighting="first")
+        macro_gae(rewards, values, mask, ids, value_weighting="middle")
     with pytest.raises(ValueError, match="`segment_reward`"):
         macro_gae(rewards, values, mask, ids, segment_reward="max")
     with pytest.raises(ValueError, match="`lam`"):

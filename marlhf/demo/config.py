@@ -21,11 +21,20 @@ class DemoConfig(ConfigBase):
     seeds: tuple[int, ...] = option((0, 1), "PPO seeds; every method runs on each")
     terminations: tuple[str, ...] = option(
         (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:inf, randomized, "
-            "perplexity")
+            "perplexity, word (one macro action per word)")
     methods: tuple[BaselineMethod, ...] = option(
         (), "baselines besides PPO and MA-PPO: rloo, grpo, reinforce (critic-free advantages in the PPO loop), "
             "dpo (DPO on the reward model's preference pairs)")
     task_seed: int = option(1234, "seed of the lexicon and of every data set")
+    num_words: int = option(20, "words per demonstration, and words the gold reward reads", ge=1)
+    gold: Literal["word_scores", "ordered_copy"] = option(
+        "word_scores", "the task's gold reward: mean word score (bright +1, plain 0, dark -1), or the prompt's "
+                       "words repeated in order (longest common subsequence; not a sum over words)")
+    reward: Literal["model", "gold"] = option(
+        "model", "what PPO optimises: the reward model's score, or the gold reward times gold_reward_scale; the "
+                 "gold reward is what results are judged by either way")
+    gold_reward_scale: float = option(4.0, "reward=gold: factor on the gold reward (x4 spans the reward model's "
+                                           "range)", gt=0)
     pretrain_texts: int = option(8000, "pre-training texts (one epoch)", ge=64)
     sft_records: int = option(3000, "SFT demonstrations (one epoch)", ge=32)
     preference_records: int = option(4000, "preference pairs for the reward model (one epoch)", ge=64)
@@ -69,7 +78,7 @@ class DemoConfig(ConfigBase):
 
 
 def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
-    """`fixed:N`, `fixed:inf`, `randomized`, `perplexity` -> (method name, PPOConfig options)."""
+    """`fixed:N`, `fixed:inf`, `randomized`, `perplexity`, `word` -> (method name, PPOConfig options)."""
     rule, _, argument = spec.partition(":")
     if rule == "fixed" and argument:
         if argument == "inf":
@@ -77,6 +86,6 @@ def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
         if argument.isdigit() and int(argument) >= 1:
             name = "ppo" if argument == "1" else "ma_ppo" if argument == "5" else f"ma_ppo_fixed{argument}"
             return name, {"termination": "fixed", "ngram": int(argument)}
-    elif rule in ("randomized", "perplexity") and not argument:
+    elif rule in ("randomized", "perplexity", "word") and not argument:
         return f"ma_ppo_{rule}", {"termination": rule}
-    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:inf, randomized or perplexity")
+    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:inf, randomized, perplexity or word")

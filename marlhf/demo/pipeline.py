@@ -6,12 +6,15 @@
     curves.png, report.md
 
 PPO is the repository's `train_ppo`. It is given a reward function that scores with the trained reward
-model (what PPO optimises, exactly as `marlhf evaluate` scores) and, on the side, records the gold reward of
-the same responses (what we judge by): that is where the per-step gold curves come from.
+model (what PPO optimises, exactly as `marlhf evaluate` scores; `reward="gold"`: the gold reward itself,
+scaled) and, on the side, records the gold reward of the same responses (what we judge by): that is where the
+per-step gold curves come from. `build_models` and `run_method` are the two halves, also used by
+`benchmarks/credit_assignment.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ from marlhf.demo.report import load_method_runs, plot_curves, summarize, write_r
 from marlhf.demo.task import SyntheticTask, TaskConfig
 from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.evaluation.evaluate import reward_model_scores
-from marlhf.modeling import ScalarHeadModel, pad_sequences
+from marlhf.modeling import ScalarHeadModel, load_causal_lm, load_tokenizer, pad_sequences
 from marlhf.rollout import generate_responses, response_logprobs
 from marlhf.trainers.dpo import DPOConfig, train_dpo
 from marlhf.trainers.ppo import PPOConfig, train_ppo
@@ -35,25 +38,33 @@ from marlhf.trainers.sft import SFTConfig, train_sft
 
 GOLD_FILE = "gold.jsonl"  # per PPO step: gold and reward-model reward of the step's rollouts
 MAX_PROMPT_TOKENS = 48  # prompts are 8 words + separator: about 25 tokens
-MAX_RESPONSE_TOKENS = 96  # demonstrations are 20 words: about 60 tokens
+TOKENS_PER_WORD = 4.8  # response budget per word: 20-word demonstrations are 49-79 tokens (64 on average)
 
 
-class RewardModelWithGold:
-    """`reward_fn` for train_ppo: returns the reward model's scores and keeps, per call (one call per PPO
-    step), the mean gold and reward-model reward of the responses."""
+def max_response_tokens(num_words: int) -> int:
+    """Sampling budget for responses of `num_words` words (96 for the demo's 20)."""
+    return round(TOKENS_PER_WORD * num_words)
 
-    def __init__(self, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask) -> None:
-        self.reward_model, self.tokenizer, self.task = reward_model, tokenizer, task
+
+class RewardWithGold:
+    """`reward_fn` for train_ppo: returns the reward model's scores (`gold_scale` None) or the gold reward times
+    `gold_scale`, and keeps, per call (one call per PPO step), the mean gold and reward-model reward of the
+    responses."""
+
+    def __init__(self, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask,
+                 gold_scale: float | None = None) -> None:
+        self.reward_model, self.tokenizer, self.task, self.gold_scale = reward_model, tokenizer, task, gold_scale
+        self.max_response_tokens = max_response_tokens(task.config.num_words)
         self.rows: list[dict[str, float]] = []
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         scores = reward_model_scores(self.reward_model, self.tokenizer, prompts, responses,
                                      batch_size=len(prompts), max_prompt_length=MAX_PROMPT_TOKENS,
-                                     max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+                                     max_length=MAX_PROMPT_TOKENS + self.max_response_tokens + 1)
         gold = self.task.gold_rewards(prompts, responses)
         self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
                           "rm_reward": sum(scores) / len(scores)})
-        return scores
+        return scores if self.gold_scale is None else [self.gold_scale * g for g in gold]
 
 
 @torch.no_grad()
@@ -71,7 +82,7 @@ def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task:
                                               tokenizer.pad_token_id, "left")
         query_mask = query_mask.bool()
         response_ids, response_mask = generate_responses(
-            policy, query_ids, query_mask, max_new_tokens=MAX_RESPONSE_TOKENS, temperature=temperature, top_k=50,
+            policy, query_ids, query_mask, max_new_tokens=max_response_tokens(task.config.num_words), temperature=temperature, top_k=50,
             top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         batch = (query_ids, query_mask, response_ids, response_mask)
         log_ratio = (response_logprobs(policy, *batch, temperature=temperature)
@@ -83,7 +94,7 @@ def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task:
     gold = task.gold_rewards(prompts, responses)
     scores = reward_model_scores(reward_model, tokenizer, prompts, responses, batch_size=batch_size,
                                  max_prompt_length=MAX_PROMPT_TOKENS,
-                                 max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+                                 max_length=MAX_PROMPT_TOKENS + max_response_tokens(task.config.num_words) + 1)
     for sample, g, s in zip(samples, gold, scores):
         sample.update(gold_reward=g, rm_reward=s)
     metrics = {"gold_reward": sum(gold) / len(gold), "rm_reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls)}
@@ -123,6 +134,88 @@ def run_demo(config: DemoConfig) -> dict:
         torch.set_num_threads(threads)
 
 
+@dataclasses.dataclass
+class DemoModels:
+    """What every PPO run of a task starts from: the task, tokenizer, SFT model and frozen reward model (with
+    their directories) and the reward model's preference pairs (also DPO's)."""
+
+    task: SyntheticTask
+    tokenizer: Any
+    sft: Any
+    reward_model: ScalarHeadModel
+    sft_dir: Path
+    reward_dir: Path
+    preference_records: list[dict]
+
+
+def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoModels:
+    """Tokenizer -> pretrain -> SFT -> reward model, saved under MODELS_DIR/{base,sft,reward}.
+    `stage_done(name, since) -> now` is called after each stage (timing and a line of progress)."""
+    stage_done = stage_done or (lambda name, since: time.perf_counter())
+    clock = time.perf_counter()
+    task = SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold))
+    texts = task.pretraining_texts(config.pretrain_texts, seed=0)
+    tokenizer = train_tokenizer(texts)
+    torch.manual_seed(config.task_seed)
+    response_tokens = max_response_tokens(config.num_words)
+    base = tiny_llama(tokenizer, max_position_embeddings=max(256, MAX_PROMPT_TOKENS + response_tokens + 1))
+    pretrain(base, tokenizer, texts, seed=config.task_seed)
+    base.save_pretrained(models_dir / "base")
+    tokenizer.save_pretrained(models_dir / "base")
+    clock = stage_done("pretrain", clock)
+
+    common = dict(seed=config.task_seed, save_steps=0, max_prompt_length=MAX_PROMPT_TOKENS,
+                  max_length=MAX_PROMPT_TOKENS + response_tokens + 1, per_device_batch_size=32)
+    sft_dir, reward_dir = models_dir / "sft", models_dir / "reward"
+    sft = train_sft(SFTConfig(model_name_or_path=str(models_dir / "base"), output_dir=str(sft_dir),
+                              learning_rate=1e-3, **common),
+                    task.sft_records(config.sft_records, seed=0), model=base, tokenizer=tokenizer)
+    clock = stage_done("sft", clock)
+    preference_records = task.preference_records(config.preference_records, seed=0)
+    reward_model = train_reward_model(
+        RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), learning_rate=1e-3, eval_steps=0,
+                     **common),
+        preference_records, tokenizer=tokenizer)
+    reward_model.requires_grad_(False).eval()
+    stage_done("reward model", clock)
+    return DemoModels(task, tokenizer, sft, reward_model, sft_dir, reward_dir, preference_records)
+
+
+def load_models(config: DemoConfig, models_dir: Path) -> DemoModels:
+    """The models `build_models(config, models_dir)` saved, read back."""
+    task = SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold))
+    sft_dir, reward_dir = models_dir / "sft", models_dir / "reward"
+    tokenizer = load_tokenizer(str(sft_dir), "left")
+    sft = load_causal_lm(str(sft_dir)).eval()
+    reward_model = ScalarHeadModel.from_pretrained(reward_dir).requires_grad_(False).eval()
+    preference_records = task.preference_records(config.preference_records, seed=0)
+    return DemoModels(task, tokenizer, sft, reward_model, sft_dir, reward_dir, preference_records)
+
+
+def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], seed: int, run_dir: Path,
+               rl_prompts: list[dict], eval_prompts: list[str], method: str) -> dict[str, float]:
+    """One PPO run (`options`: PPOConfig options of the method) into RUN_DIR, then its held-out evaluation.
+    Writes metrics.jsonl, config.yaml, gold.jsonl and eval_samples.jsonl; returns the held-out metrics."""
+    reward_fn = RewardWithGold(models.reward_model, models.tokenizer, models.task,
+                               config.gold_reward_scale if config.reward == "gold" else None)
+    # Responses per step are the same for every method: groups of k samples take ppo_batch_size / k prompts.
+    prompts_per_step = config.ppo_batch_size // options.get("num_samples_per_prompt", 1)
+    response_tokens = max_response_tokens(config.num_words)
+    ppo_config = PPOConfig(
+        model_name_or_path=str(models.sft_dir), reward_model_name_or_path=str(models.reward_dir),
+        output_dir=str(run_dir), seed=seed, save_steps=0, max_steps=config.ppo_steps,
+        per_device_batch_size=prompts_per_step, mini_batch_size=config.ppo_batch_size // 2,
+        learning_rate=config.ppo_learning_rate, critic_learning_rate=config.critic_learning_rate,
+        kl_coef=config.kl_coef,
+        critic_model_name_or_path=str(models.sft_dir if config.critic_init == "sft" else models.reward_dir),
+        max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=response_tokens,
+        max_length=MAX_PROMPT_TOKENS + response_tokens, **options)
+    policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn)
+    _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
+    return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,
+                        run_dir, method, seed)
+
+
 def _run_demo(config: DemoConfig) -> dict:
     start = time.perf_counter()
     out = Path(config.out)
@@ -135,33 +228,11 @@ def _run_demo(config: DemoConfig) -> dict:
         tqdm.write(f"[demo] {name} done in {stage_seconds[name]:.0f} s")
         return time.perf_counter()
 
-    # ---- data, tokenizer, base model ------------------------------------------------------------
+    # ---- data, tokenizer, base model, SFT and reward model (the repository's trainers) ---------------
+    models = build_models(config, out / "models", stage_done)
+    task, tokenizer, sft, reward_model = models.task, models.tokenizer, models.sft, models.reward_model
+    preference_records = models.preference_records  # also DPO's pairs
     clock = time.perf_counter()
-    task = SyntheticTask(TaskConfig(seed=config.task_seed))
-    texts = task.pretraining_texts(config.pretrain_texts, seed=0)
-    tokenizer = train_tokenizer(texts)
-    torch.manual_seed(config.task_seed)
-    base = tiny_llama(tokenizer)
-    pretrain(base, tokenizer, texts, seed=config.task_seed)
-    models = out / "models"
-    base.save_pretrained(models / "base")
-    tokenizer.save_pretrained(models / "base")
-    clock = stage_done("pretrain", clock)
-
-    # ---- SFT and reward model (the repository's trainers) -----------------------------------
-    common = dict(seed=config.task_seed, save_steps=0, max_prompt_length=MAX_PROMPT_TOKENS,
-                  max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1, per_device_batch_size=32)
-    sft_dir, reward_dir = models / "sft", models / "reward"
-    sft = train_sft(SFTConfig(model_name_or_path=str(models / "base"), output_dir=str(sft_dir), learning_rate=1e-3,
-                              **common), task.sft_records(config.sft_records, seed=0), model=base, tokenizer=tokenizer)
-    clock = stage_done("sft", clock)
-    preference_records = task.preference_records(config.preference_records, seed=0)  # also DPO's pairs
-    reward_model = train_reward_model(
-        RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), learning_rate=1e-3, eval_steps=0,
-                     **common),
-        preference_records, tokenizer=tokenizer)
-    reward_model.requires_grad_(False).eval()
-    clock = stage_done("reward model", clock)
 
     # ---- PPO, MA-PPO and the PPO-loop baselines on every seed -----------------------------------
     methods = {"ppo": {"termination": "fixed", "ngram": 1}, "ma_ppo": {"termination": "fixed", "ngram": 5}}
@@ -170,27 +241,12 @@ def _run_demo(config: DemoConfig) -> dict:
     rl_prompts = task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
     sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
-    _write_jsonl(models / "sft" / "eval_samples.jsonl", sft_samples)
+    _write_jsonl(out / "models" / "sft" / "eval_samples.jsonl", sft_samples)
     finals: dict[str, list[dict]] = {method: [] for method in methods}
     runs = [(method, seed) for method in methods for seed in config.seeds]
     for method, seed in tqdm(runs, desc="demo runs", leave=True):
-        run_dir = out / "runs" / method / f"seed{seed}"
-        reward_fn = RewardModelWithGold(reward_model, tokenizer, task)
-        options = methods[method]
-        # Responses per step are the same for every method: groups of k samples take ppo_batch_size / k prompts.
-        prompts_per_step = config.ppo_batch_size // options.get("num_samples_per_prompt", 1)
-        ppo_config = PPOConfig(
-            model_name_or_path=str(sft_dir), reward_model_name_or_path=str(reward_dir), output_dir=str(run_dir),
-            seed=seed, save_steps=0, max_steps=config.ppo_steps, per_device_batch_size=prompts_per_step,
-            mini_batch_size=config.ppo_batch_size // 2, learning_rate=config.ppo_learning_rate,
-            critic_learning_rate=config.critic_learning_rate, kl_coef=config.kl_coef,
-            critic_model_name_or_path=str(sft_dir if config.critic_init == "sft" else reward_dir),
-            max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=MAX_RESPONSE_TOKENS,
-            max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, **options)
-        policy = train_ppo(ppo_config, rl_prompts, tokenizer=tokenizer, reward_fn=reward_fn)
-        _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
-        finals[method].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
-                                           method, seed))
+        finals[method].append(run_method(config, models, methods[method], seed, out / "runs" / method / f"seed{seed}",
+                                         rl_prompts, eval_prompts, method))
     clock = stage_done("ppo", clock)
 
     # ---- DPO on the reward model's preference pairs ------------------------------------------
@@ -200,10 +256,10 @@ def _run_demo(config: DemoConfig) -> dict:
         for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
             run_dir = out / "runs" / "dpo" / f"seed{seed}"
             dpo_config = DPOConfig(
-                model_name_or_path=str(sft_dir), output_dir=str(run_dir), seed=seed, save_steps=0,
+                model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), seed=seed, save_steps=0,
                 max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
                 learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
-                max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS + 1)
+                max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
             policy = train_dpo(dpo_config, preference_records, tokenizer=tokenizer)
             finals["dpo"].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
                                               "dpo", seed))

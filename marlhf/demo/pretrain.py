@@ -7,7 +7,8 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
-def tiny_llama(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_layers: int = 3) -> LlamaForCausalLM:
+def tiny_llama(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_layers: int = 3,
+               max_position_embeddings: int = 256) -> LlamaForCausalLM:
     """A Llama of about half a million parameters with the tokenizer's vocabulary and special tokens."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -16,7 +17,7 @@ def tiny_llama(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_l
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -9,6 +9,14 @@ gold reward of a response = (1/W) * sum over its first W words of the word score
 Missing words score 0, so short responses lose. The reward comes only at the end of a response of about 60 tokens
 and depends on whole words scattered all over it: that is the credit assignment problem of RLHF in
 miniature.
+
+A second gold reward, `gold="ordered_copy"` (the credit-assignment study's Task 2), is not a sum of per-word
+scores: the response should repeat the prompt's words in the prompt's order, and
+
+gold reward = LCS(prompt words, first W response words) / (number of prompt words), in [0, 1],
+
+the length of the longest common subsequence. Whether a word earns credit depends on which prompt words the
+response has matched before it, so a critic cannot score words one by one.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 CONSONANTS = "klmnrstv"
 VOWELS = "ao"
@@ -38,6 +47,8 @@ class TaskConfig:
     typo_rate: float = 0.05  # share of invalid words in SFT demonstrations
     preference_temperature: float = 0.1  # Bradley-Terry noise of the gold labeller
     seed: int = 1234
+    gold: Literal["word_scores", "ordered_copy"] = "word_scores"  # the gold reward (module docstring)
+    copy_rate: float = 0.35  # ordered_copy: share of the prompt's words an SFT demonstration repeats
 
 
 class SyntheticTask:
@@ -47,6 +58,8 @@ class SyntheticTask:
         self.config = config or TaskConfig()
         if self.config.words_per_class < MAX_BRIGHT_USES or self.config.num_words < 1:
             raise ValueError("config: words_per_class must be >= 2 and num_words >= 1")
+        if self.config.gold not in ("word_scores", "ordered_copy"):
+            raise ValueError(f"config: gold must be 'word_scores' or 'ordered_copy', got {self.config.gold!r}")
         rng = random.Random(self.config.seed)
         num_words = self.config.words_per_class * len(CLASSES)
         words: set[str] = set()
@@ -75,15 +88,21 @@ class SyntheticTask:
                 scores.append(CLASS_SCORES[word_class])
         return scores
 
-    def gold_reward(self, response: str) -> float:
-        """Gold reward in [-1, 1]; 1 means `num_words` bright words, none used more than twice."""
-        return sum(self.word_scores(response)) / self.config.num_words
+    def gold_reward(self, response: str, prompt: str | None = None) -> float:
+        """word_scores: in [-1, 1], 1 means `num_words` bright words, none used more than twice.
+        ordered_copy: in [0, 1], 1 means the prompt's words all appear in order (needs `prompt`)."""
+        if self.config.gold == "word_scores":
+            return sum(self.word_scores(response)) / self.config.num_words
+        if prompt is None:
+            raise ValueError("the ordered_copy gold reward needs the prompt")
+        target = prompt_words(prompt)
+        return longest_common_subsequence(target, response.split()[: self.config.num_words]) / max(len(target), 1)
 
     def gold_rewards(self, prompts: list[str], responses: list[str]) -> list[float]:
         """Batch form, with the (prompt, response) signature of an external reward function."""
         if len(prompts) != len(responses):
             raise ValueError(f"prompts and responses differ in length: {len(prompts)} != {len(responses)}")
-        return [self.gold_reward(r) for r in responses]
+        return [self.gold_reward(r, p) for p, r in zip(prompts, responses)]
 
     # ---------------------------------------------------------------- generators
     def _invalid_word(self, rng: random.Random) -> str:
@@ -128,13 +147,30 @@ class SyntheticTask:
             texts.append(prompt + " " + " ".join(self._words(rng, self.config.num_words, uniform, 0.0)))
         return texts
 
+    def _copy_response(self, rng: random.Random, prompt: str, length: int, copy_rate: float,
+                       typo_rate: float) -> list[str]:
+        """ordered_copy: `length` words that repeat a `copy_rate` share of the prompt's words in order, at random
+        slots among uniformly drawn filler words."""
+        kept = [w for w in prompt_words(prompt) if rng.random() < copy_rate][:length]
+        slots = sorted(rng.sample(range(length), len(kept)))
+        uniform = {c: 1 / len(CLASSES) for c in CLASSES}
+        words = self._words(rng, length, uniform, typo_rate)
+        for slot, word in zip(slots, kept):
+            words[slot] = word
+        return words
+
     def sft_records(self, n: int, seed: int) -> list[dict]:
-        """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1."""
+        """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1 (word_scores) or 0.4
+        (ordered_copy)."""
         rng = random.Random(f"sft-{self.config.seed}-{seed}")
         records = []
         for _ in range(n):
             prompt, mix = self._prompt(rng)
-            words = self._words(rng, self.config.num_words, self._demonstration_mix(mix), self.config.typo_rate)
+            if self.config.gold == "ordered_copy":
+                words = self._copy_response(rng, prompt, self.config.num_words, self.config.copy_rate,
+                                            self.config.typo_rate)
+            else:
+                words = self._words(rng, self.config.num_words, self._demonstration_mix(mix), self.config.typo_rate)
             records.append({"prompt": prompt, "response": " ".join(words)})
         return records
 
@@ -151,17 +187,39 @@ class SyntheticTask:
             prompt, _ = self._prompt(rng)
             pair = []
             for _ in range(2):
-                draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
-                mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
-                length = rng.randint(self.config.num_words // 2, self.config.num_words)
-                words = self._words(rng, length, mix, rng.uniform(0.0, 0.15))
+                if self.config.gold == "ordered_copy":
+                    length = rng.randint(self.config.num_words // 2, self.config.num_words)
+                    words = self._copy_response(rng, prompt, length, rng.random(), rng.uniform(0.0, 0.15))
+                    if rng.random() < 0.3:  # the right words in a shuffled order: order is what is paid
+                        rng.shuffle(words)
+                else:
+                    draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
+                    mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
+                    length = rng.randint(self.config.num_words // 2, self.config.num_words)
+                    words = self._words(rng, length, mix, rng.uniform(0.0, 0.15))
                 if rng.random() < 0.3:  # a response that keeps repeating a few words
                     words = [rng.choice(words[:3]) for _ in words]
                 pair.append(" ".join(words))
-            gap = self.gold_reward(pair[0]) - self.gold_reward(pair[1])
+            gap = self.gold_reward(pair[0], prompt) - self.gold_reward(pair[1], prompt)
             if gap == 0.0:
                 continue
             first_preferred = rng.random() < 1.0 / (1.0 + math.exp(-gap / temperature))
             chosen, rejected = pair if first_preferred else pair[::-1]
             records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         return records
+
+
+def prompt_words(prompt: str) -> list[str]:
+    """The words of a prompt, without the separator."""
+    return [w for w in prompt.split() if w != SEPARATOR]
+
+
+def longest_common_subsequence(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence of two word lists (dynamic programming, O(len(a) len(b)))."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]

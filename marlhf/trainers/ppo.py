@@ -47,13 +47,14 @@ from marlhf.advantages import grpo, kl_penalized_rewards, macro_gae, reinforce, 
 from marlhf.config import TrainingConfig, option
 from marlhf.evaluation.repetition import token_repetition
 from marlhf.logging_utils import reduce_metrics
-from marlhf.losses import policy_loss, value_loss
+from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
                              merge_lora, pad_sequences)
 from marlhf.rewards import code_rewards
 from marlhf.rollout import (Rollout, RewardFn, generate_responses, length_sorted_chunks, response_logprobs,
                             response_values, score_responses, trim_padding)
-from marlhf.segments import fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token
+from marlhf.segments import (fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token,
+                             word_starts, words)
 from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
                                     make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
                                     require_fields, save_final_model, start_run)
@@ -97,8 +98,9 @@ class PPOConfig(TrainingConfig):
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
 
     # Macro actions.
-    termination: Literal["fixed", "randomized", "perplexity", "parsing"] = option(
-        "fixed", "macro-action termination rule")
+    termination: Literal["fixed", "randomized", "perplexity", "parsing", "word"] = option(
+        "fixed", "macro-action termination rule (word: one macro action per word, read off the tokenizer's "
+                 "vocabulary)")
     ngram: int | None = option(
         5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
     randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "randomized: segment lengths to draw from", ge=1)
@@ -122,9 +124,10 @@ class PPOConfig(TrainingConfig):
         None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
     gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
-    value_weighting: Literal["equal", "unit", "position"] = option(
-        "equal", "a macro action's value from its token values: equal weights, the last token only (unit), or "
-                 "weights growing towards the last token (position)")
+    value_weighting: Literal["equal", "unit", "position", "first"] = option(
+        "equal", "a macro action's value from its token values: equal weights, the last token only (unit), "
+                 "weights growing towards the last token (position), or the first token's, the value of the state "
+                 "where the macro action starts (first; not in the paper)")
     segment_reward: Literal["sum", "mean"] = option(
         "sum", "reward of a macro action: sum of its token rewards (paper) or their mean (released code)")
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
@@ -133,6 +136,10 @@ class PPOConfig(TrainingConfig):
     clip_range: float = option(0.2, "PPO clip range of the policy ratio", gt=0)
     ratio_granularity: Literal["macro", "token"] = option(
         "macro", "clip one joint ratio per macro action (paper) or per-token ratios (released code)")
+    segment_weighting: Literal["tokens", "uniform", "geometric"] = option(
+        "tokens", "policy loss over macro actions: each weighted by its token count (tokens), a plain mean over "
+                  "macro actions (uniform, the paper's expectation), or token-count weights on the geometric mean "
+                  "of the token ratios (geometric, GSPO's length-normalised ratio)")
     value_clip_range: float | None = option(
         0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
 
@@ -152,6 +159,8 @@ class PPOConfig(TrainingConfig):
         if self.rollout_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
+        if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
+            raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
                              f"mini_batch_size ({self.mini_batch_size})")
@@ -189,6 +198,8 @@ def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
         segment_ids = _own_rows(accelerator, all_ids, like=mask)
     elif config.termination == "perplexity":
         segment_ids = perplexity(mask, rollout.ref_logprobs)
+    elif config.termination == "word":
+        segment_ids = words(mask, word_starts(rollout.response_ids, tokenizer))
     else:
         segment_ids, parse_fallbacks = parsing(rollout.response_ids, mask, tokenizer, config.parsing_cutoff,
                                                config.parsing_language)
@@ -426,6 +437,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
                 # processes' gradients, hence the factor num_processes).
                 num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
+                num_policy_units = accelerator.reduce(policy_loss_units(
+                    mask[mini_batch], segment_ids[mini_batch], config.segment_weighting), reduction="sum")
                 # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
                 # a token sum, which does not depend on how the mini-batch is split.
                 pieces = [mini_batch[rows] for rows in length_sorted_chunks(
@@ -433,6 +446,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 for piece_index, piece in enumerate(pieces):
                     is_last_piece = piece_index == len(pieces) - 1
                     weight = mask[piece].sum() * accelerator.num_processes / num_tokens
+                    policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting
+                                                      ) * accelerator.num_processes / num_policy_units
                     inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
                                           rollout.response_ids[piece], mask[piece])
                     piece_mask = inputs[3]
@@ -442,8 +457,9 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                             policy, *inputs, temperature=config.temperature)
                         pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
                                                         advantages[piece, cols], piece_mask, segment_ids[piece, cols],
-                                                        config.clip_range, config.ratio_granularity)
-                        accelerator.backward(pg_loss * weight)
+                                                        config.clip_range, config.ratio_granularity,
+                                                        config.segment_weighting)
+                        accelerator.backward(pg_loss * policy_weight)
                     stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
                              "policy/approxkl": pg_stats["approxkl"]}
                     if critic is not None:
