@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -138,14 +138,23 @@ def _sha256(path: Path) -> str:
 def ensure_models(task: str, work: Path, quick: bool) -> dict:
     """Build the task's tokenizer, SFT and reward model once (WORK/models/<task>); return their hashes and the
     SFT model's held-out gold reward. The reward model and the SFT model do not depend on the set-up."""
-    import torch
-
-    from marlhf.demo.pipeline import build_models, evaluate_policy
-
     models_dir = work / "models" / task
     info_file = models_dir / "models.json"
     if info_file.exists():
         return json.loads(info_file.read_text())
+    (work / "models").mkdir(parents=True, exist_ok=True)
+    with open(work / "models" / f".{task}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker to need the models builds them; the others wait
+        if info_file.exists():
+            return json.loads(info_file.read_text())
+        return _build_models(task, models_dir, info_file, quick)
+
+
+def _build_models(task: str, models_dir: Path, info_file: Path, quick: bool) -> dict:
+    import torch
+
+    from marlhf.demo.pipeline import build_models, evaluate_policy
+
     if models_dir.exists():
         shutil.rmtree(models_dir)  # a build cut off midway
     config = demo_config(task, "gold_sft", quick)
@@ -176,7 +185,7 @@ def run_one(task: str, setup: str, cell: str, seed: int, work: str, results: str
     torch.set_num_threads(1)
     work, results = Path(work), Path(results)
     config = demo_config(task, setup, quick)
-    info = json.loads((work / "models" / task / "models.json").read_text())
+    info = ensure_models(task, work, quick)
     models = load_models(config, work / "models" / task)
     run_dir = work / "runs" / task / setup / cell / f"seed{seed}"
     if run_dir.exists():
@@ -459,10 +468,6 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.max_runs is not None:
         jobs = jobs[: arguments.max_runs]
     if not arguments.summarize and jobs:
-        for task in dict.fromkeys(j[0] for j in jobs):
-            info = ensure_models(task, work, arguments.quick)
-            print(f"models of {task}: SFT {info['sft_sha256'][:12]}, RM {info['reward_sha256'][:12]}, SFT held-out "
-                  f"gold {info['sft_held_out']['gold_reward']:.3f}", flush=True)
         from tqdm.auto import tqdm
 
         failed = 0
