@@ -73,6 +73,8 @@ def sigma_ref(size: int, weighting: str) -> list[float]:
         return [1.0 / size] * size
     if weighting == "unit":
         return [0.0] * (size - 1) + [1.0]
+    if weighting == "first":
+        return [1.0] + [0.0] * (size - 1)
     harmonic = sum(1.0 / (size - j) for j in range(size))
     return [(1.0 / (size - i)) / harmonic for i in range(size)]
 
@@ -115,22 +117,26 @@ def macro_gae_ref(rewards, values, segment_ids, gamma, lam, weighting, segment_r
     return adv, ret
 
 
-def policy_loss_ref(logprobs, old_logprobs, advantages, segment_ids, clip, granularity="macro"):
+def policy_loss_ref(logprobs, old_logprobs, advantages, segment_ids, clip, granularity="macro", weighting="tokens"):
+    """weighting: "tokens" (segment surrogate x token count / tokens), "uniform" (mean over segments),
+    "geometric" (ratio from the mean token log-ratio, x token count / tokens)."""
     total, tokens, clipped_units, units = 0.0, 0, 0, 0
     for b in range(len(logprobs)):
         for positions in segments_of_row(segment_ids[b]):
             groups = [positions] if granularity == "macro" else [[t] for t in positions]
             for group in groups:
                 log_ratio = sum(logprobs[b][t] - old_logprobs[b][t] for t in group)
+                if weighting == "geometric":
+                    log_ratio /= len(group)
                 ratio = math.exp(max(-20.0, min(20.0, log_ratio)))
                 a = advantages[b][group[0]]
                 surrogate = -a * ratio
                 clipped = -a * min(max(ratio, 1 - clip), 1 + clip)
-                total += max(surrogate, clipped) * len(group)
+                total += max(surrogate, clipped) * (1 if weighting == "uniform" else len(group))
                 clipped_units += clipped > surrogate
                 units += 1
             tokens += len(positions)
-    return total / max(tokens, 1), clipped_units / max(units, 1)
+    return total / max(units if weighting == "uniform" else tokens, 1), clipped_units / max(units, 1)
 
 
 def value_loss_ref(values, old_values, returns, segment_ids, clip, weighting):

@@ -12,7 +12,7 @@ from marlhf.advantages import (
     token_gae,
     whiten,
 )
-from marlhf.segments import fixed_ngram, num_segments, perplexity, randomized_ngram, split_last_token
+from marlhf.segments import fixed_ngram, num_segments, perplexity, randomized_ngram, split_last_token, words
 from tests.reference import macro_gae_ref, random_batch, token_gae_ref
 
 
@@ -48,10 +48,11 @@ def _segmentations(mask, g):
     yield "randomized", randomized_ngram(mask, generator=g)
     yield "perplexity", perplexity(mask, -torch.rand(mask.shape, generator=g))
     yield "last_own", split_last_token(fixed_ngram(mask, 4), mask)
+    yield "words", words(mask, torch.rand(mask.shape, generator=g) < 0.35)
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("weighting", ["equal", "unit", "position"])
+@pytest.mark.parametrize("weighting", ["equal", "unit", "position", "first"])
 @pytest.mark.parametrize("segment_reward", ["sum", "mean"])
 def test_macro_gae_matches_reference(seed, weighting, segment_reward):
     mask, _, rewards, values, g = _ragged(seed)
@@ -65,7 +66,7 @@ def test_macro_gae_matches_reference(seed, weighting, segment_reward):
             _assert_close(ret, ret_ref, mask)
 
 
-@pytest.mark.parametrize("weighting", ["equal", "unit", "position"])
+@pytest.mark.parametrize("weighting", ["equal", "unit", "position", "first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.double])
 def test_macro_gae_with_one_token_segments_is_token_gae(weighting, dtype):
     mask, _, rewards, values, _ = _ragged(7, batch=16, width=40)
@@ -96,6 +97,22 @@ def test_segment_value_weightings_on_hand_example():
     # Weights 1/3, 1/2, 1 normalised by H = 11/6.
     expected = (1 / 3 * 1 + 1 / 2 * 2 + 1 * 3) / (11 / 6)
     torch.testing.assert_close(segment_values(values, ids, "position"), torch.tensor([[expected, 4.0]]))
+    torch.testing.assert_close(segment_values(values, ids, "first"), torch.tensor([[1.0, 4.0]]))
+
+
+def test_first_value_is_the_start_state_value():
+    """With "first", delta_tau = R_tau + V(start of tau+1) - V(start of tau): the TD error of the option that
+    starts at the segment's first token, an SMDP step; no state inside the segment enters it."""
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    mask = ids >= 0
+    values = torch.tensor([[1.0, 10.0, 2.0, 20.0, 30.0, 3.0]])  # 10, 20, 30: states inside a segment
+    rewards = torch.tensor([[0.1, 0.2, 0.0, 0.0, 0.5, 1.0]])
+    adv, ret = macro_gae(rewards, values, mask, ids, gamma=1.0, lam=0.0, value_weighting="first")
+    expected = torch.tensor([0.3 + 2.0 - 1.0, 0.5 + 3.0 - 2.0, 1.0 - 3.0])
+    torch.testing.assert_close(adv[0], expected.repeat_interleave(torch.tensor([2, 3, 1])))
+    changed = values.clone()
+    changed[0, [1, 3, 4]] = -5.0  # inner states do not matter
+    torch.testing.assert_close(macro_gae(rewards, changed, mask, ids, 1.0, 0.0, "first")[0], adv)
 
 
 def test_gae_gradients():

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from marlhf.advantages import macro_gae
-from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, value_loss
-from marlhf.segments import fixed_ngram, perplexity, randomized_ngram
+from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, policy_loss_units, value_loss
+from marlhf.segments import fixed_ngram, perplexity, randomized_ngram, words
 from tests.reference import policy_loss_ref, random_batch, value_loss_ref
 
 
@@ -28,6 +28,7 @@ def _segmentations(mask, g):
         "whole": fixed_ngram(mask, None),
         "randomized": randomized_ngram(mask, generator=g),
         "perplexity": perplexity(mask, -torch.rand(mask.shape, generator=g)),
+        "words": words(mask, torch.rand(mask.shape, generator=g) < 0.35),
     }
 
 
@@ -41,6 +42,48 @@ def test_policy_loss_matches_reference(seed, granularity):
         expected, clipfrac = policy_loss_ref(new.tolist(), old.tolist(), adv.tolist(), ids.tolist(), 0.2, granularity)
         assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12), name
         assert stats["clipfrac"].item() == pytest.approx(clipfrac, abs=1e-6), name
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("weighting", ["tokens", "uniform", "geometric"])
+def test_segment_weightings_match_reference(seed, weighting):
+    mask, old, new, rewards, values, g = _rollout(seed, spread=0.6)
+    for name, ids in _segmentations(mask, g).items():
+        adv, _ = macro_gae(rewards, values, mask, ids)
+        loss, stats = policy_loss(new, old, adv, mask, ids, clip=0.2, segment_weighting=weighting)
+        expected, clipfrac = policy_loss_ref(new.tolist(), old.tolist(), adv.tolist(), ids.tolist(), 0.2,
+                                             weighting=weighting)
+        assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12), name
+        assert stats["clipfrac"].item() == pytest.approx(clipfrac, abs=1e-6), name
+        units = policy_loss_units(mask, ids, weighting).item()
+        assert units == (int(mask.sum()) if weighting != "uniform" else sum(len(set(r) - {-1}) for r in ids.tolist()))
+
+
+def test_segment_weighting_gradients_on_the_issue_example():
+    """One row of 6 tokens, advantage 1, ratio 1. Token-count weighting: a token's gradient is |tau| times the
+    token-level one (-1/6 at n = 1, -1/2 at n = 3, -1 at n = 6; segments [1, 5]: -1/6 and -5/6). "uniform" and
+    "geometric" give every token the same gradient whatever the segment lengths."""
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    old = torch.zeros(1, 6, dtype=torch.double)
+    adv = torch.ones(1, 6, dtype=torch.double)
+    layouts = {"n1": fixed_ngram(mask, 1), "n3": fixed_ngram(mask, 3), "n6": fixed_ngram(mask, 6),
+               "1+5": torch.tensor([[0, 1, 1, 1, 1, 1]])}
+
+    def grad(ids, weighting):
+        new = old.clone().requires_grad_(True)
+        loss, _ = policy_loss(new, old, adv, mask, ids, segment_weighting=weighting)
+        return torch.autograd.grad(loss, new)[0][0].tolist()
+
+    expected_tokens = {"n1": [-1 / 6] * 6, "n3": [-1 / 2] * 6, "n6": [-1.0] * 6, "1+5": [-1 / 6] + [-5 / 6] * 5}
+    for name, ids in layouts.items():
+        assert grad(ids, "tokens") == pytest.approx(expected_tokens[name])
+        assert grad(ids, "geometric") == pytest.approx([-1 / 6] * 6)  # the token-level gradient
+        segments = int(ids.max()) + 1  # uniform: each segment weighs 1/segments, shared by its tokens' log-probs
+        assert grad(ids, "uniform") == pytest.approx([-1 / segments] * 6)
+    with pytest.raises(ValueError, match="segment_weighting"):
+        policy_loss(old, old, adv, mask, layouts["n3"], segment_weighting="uniform", ratio_granularity="token")
+    with pytest.raises(ValueError, match="segment_weighting"):
+        policy_loss(old, old, adv, mask, layouts["n3"], segment_weighting="mean")
 
 
 def test_one_token_segments_are_token_ppo_exactly():
@@ -122,7 +165,7 @@ def test_policy_loss_rejects_bad_input():
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("clip", [None, 0.2])
-@pytest.mark.parametrize("weighting", ["equal", "unit", "position"])
+@pytest.mark.parametrize("weighting", ["equal", "unit", "position", "first"])
 def test_value_loss_matches_reference(seed, clip, weighting):
     mask, _, _, rewards, values, g = _rollout(seed)
     old_values = values + 0.3 * torch.randn(values.shape, generator=g, dtype=torch.double)

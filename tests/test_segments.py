@@ -12,6 +12,8 @@ from marlhf.segments import (
     segment_lengths,
     segment_sum,
     split_last_token,
+    word_starts,
+    words,
 )
 from tests.reference import (
     fixed_ngram_ref,
@@ -189,3 +191,77 @@ def test_check_segment_ids_rejects_bad_numbering():
     for bad in ([[0, 2, 2, 3]], [[1, 1, 2, 2]], [[0, 0, -1, 1]], [[0, 1, 0, 1]]):
         with pytest.raises(ValueError, match="`segment_ids`"):
             check_segment_ids(torch.tensor(bad), mask)
+
+
+def words_ref(lengths: list[int], width: int, starts: list[list[bool]]) -> list[list[int]]:
+    rows = []
+    for length, row_starts in zip(lengths, starts):
+        row, seg = [], -1
+        for t in range(length):
+            if t == 0 or row_starts[t]:
+                seg += 1
+            row.append(seg)
+        rows.append(row + [-1] * (width - length))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("rate", [0.0, 0.3, 1.0])
+def test_words_matches_reference(seed, rate):
+    g = torch.Generator().manual_seed(seed)
+    mask, lengths = random_batch(9, 13, g)  # empty, length-1 and full rows included
+    starts = torch.rand(mask.shape, generator=g) < rate  # starts on padding must be ignored
+    ids = words(mask, starts)
+    check_segment_ids(ids, mask)
+    assert ids.tolist() == words_ref(lengths, 13, starts.tolist())
+
+
+def test_words_edge_cases_and_bad_input():
+    assert words(torch.zeros(3, 0, dtype=torch.bool), torch.zeros(3, 0, dtype=torch.bool)).shape == (3, 0)
+    padding = torch.zeros(2, 4, dtype=torch.bool)
+    assert (words(padding, ~padding) == -1).all()
+    with pytest.raises(ValueError, match="`starts`"):
+        words(torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 3))
+    with pytest.raises(ValueError, match="`starts`"):
+        words(torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_word_starts_with_a_continuing_subword_prefix():
+    """The demo's tokenizer: word-inner pieces carry ##; a word is the tokens from one without it to the next."""
+    from marlhf.demo.task import SyntheticTask
+    from marlhf.demo.tokenizer import train_tokenizer
+
+    task = SyntheticTask()
+    tokenizer = train_tokenizer(task.pretraining_texts(300, seed=0))
+    responses = [r["response"] for r in task.sft_records(4, seed=0)]
+    encoded = [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+    width = max(map(len, encoded))
+    ids = torch.tensor([e + [tokenizer.pad_token_id] * (width - len(e)) for e in encoded])
+    mask = torch.arange(width)[None, :] < torch.tensor([len(e) for e in encoded])[:, None]
+    segment_ids = words(mask, word_starts(ids, tokenizer))
+    for row, response, length in zip(segment_ids.tolist(), responses, mask.sum(1).tolist()):
+        pieces = segments_of_row(row)
+        assert len(pieces) == len(response.split()) + 1 and pieces[-1] == [length - 1]  # the words, then EOS
+    first = segments_of_row(segment_ids[0].tolist())
+    assert [tokenizer.decode(ids[0, p].tolist()) for p in first[:-1]] == responses[0].split()
+
+
+def test_word_starts_with_a_space_marker():
+    """Byte-level BPE (GPT-2, Llama 3, Qwen): a token that begins with Ġ begins a word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["the cat sat on the mat", "a dog ran far"] * 20,
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    ids = torch.tensor([tokenizer("the cat sat")["input_ids"] + [tokenizer.eos_token_id]])
+    starts = word_starts(ids, tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(ids[0])
+    assert starts[0].tolist() == [t.startswith("Ġ") or t == "<eos>" for t in tokens]
+    segment_ids = words(torch.ones_like(ids, dtype=torch.bool), starts)
+    assert [tokenizer.decode(ids[0, p].tolist()).strip() for p in segments_of_row(segment_ids[0].tolist())] == [
+        "the", "cat", "sat", "<eos>"]

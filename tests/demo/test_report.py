@@ -67,7 +67,8 @@ def test_parse_termination_and_config_checks():
     assert parse_termination("fixed:inf") == ("ma_ppo_fixed_inf", {"termination": "fixed", "ngram": None})
     assert parse_termination("randomized") == ("ma_ppo_randomized", {"termination": "randomized"})
     assert parse_termination("perplexity")[0] == "ma_ppo_perplexity"
-    for bad in ("fixed", "fixed:0", "fixed:x", "parsing", "randomized:2"):
+    assert parse_termination("word") == ("ma_ppo_word", {"termination": "word"})
+    for bad in ("fixed", "fixed:0", "fixed:x", "parsing", "randomized:2", "word:2"):
         with pytest.raises(ValueError, match="terminations"):
             parse_termination(bad)
     with pytest.raises(ValueError, match="terminations"):
@@ -77,6 +78,10 @@ def test_parse_termination_and_config_checks():
     with pytest.raises(ValueError, match="seeds"):
         DemoConfig(seeds=(1, 1))
     assert DemoConfig.quick(out="x").ppo_steps < DemoConfig().ppo_steps
+    assert (DemoConfig().reward, DemoConfig().gold, DemoConfig().num_words) == ("model", "word_scores", 20)
+    for bad in (dict(reward="both"), dict(gold="lcs"), dict(num_words=0), dict(gold_reward_scale=0)):
+        with pytest.raises(ValueError):
+            DemoConfig(**bad)
 
 
 def test_methods_option_checks():

@@ -127,3 +127,57 @@ def test_tokenizer_ids_do_not_depend_on_hash_order(tokenizer):
 def test_tokenizer_rejects_empty_corpus():
     with pytest.raises(ValueError, match="texts"):
         train_tokenizer([])
+
+
+def lcs_reference(a: list[str], b: list[str]) -> int:
+    """Brute force over the subsequences of the shorter list (small inputs only)."""
+    import itertools
+
+    short, long_ = (a, b) if len(a) <= len(b) else (b, a)
+    for size in range(len(short), 0, -1):
+        for picked in itertools.combinations(short, size):
+            it = iter(long_)
+            if all(any(x == y for y in it) for x in picked):
+                return size
+    return 0
+
+
+def test_longest_common_subsequence_matches_brute_force():
+    import random
+
+    from marlhf.demo.task import longest_common_subsequence
+
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [rng.choice("abcd") for _ in range(rng.randint(0, 7))]
+        b = [rng.choice("abcd") for _ in range(rng.randint(0, 9))]
+        assert longest_common_subsequence(a, b) == lcs_reference(a, b), (a, b)
+
+
+def test_ordered_copy_gold_reward_and_data():
+    from marlhf.demo.task import prompt_words
+
+    task = SyntheticTask(TaskConfig(gold="ordered_copy"))
+    prompt = task.prompts(1, seed=0)[0]["prompt"]
+    target = prompt_words(prompt)
+    assert len(target) == task.config.prompt_words and SEPARATOR not in target
+    assert task.gold_reward(" ".join(target), prompt) == 1.0
+    backwards = target[::-1]  # the right words in the wrong order: only the LCS is paid
+    assert task.gold_reward(" ".join(backwards), prompt) == lcs_reference(target, backwards) / len(target) < 1.0
+    assert task.gold_reward(" ".join(target[:4]), prompt) == 0.5
+    filler = " ".join(task.words_by_class["plain"][:5])
+    assert task.gold_reward(filler + " " + " ".join(target), prompt) == (20 - 5 >= 8) * 1.0  # within 20 words
+    assert task.gold_reward(" ".join(["kaka"] * 19 + target), prompt) == 1 / len(target)  # words past W unread
+    with pytest.raises(ValueError, match="prompt"):
+        task.gold_reward(" ".join(target))
+    records = task.sft_records(400, seed=0)
+    gold = [task.gold_reward(r["response"], r["prompt"]) for r in records]
+    assert 0.3 < sum(gold) / len(gold) < 0.55 and max(gold) < 1.0  # imperfect demonstrations
+    assert all(len(r["response"].split()) == task.config.num_words for r in records)
+    pairs = task.preference_records(500, seed=0)
+    agree = [task.gold_reward(p["chosen"], p["prompt"]) > task.gold_reward(p["rejected"], p["prompt"]) for p in pairs]
+    assert 0.8 < sum(agree) / len(agree) < 1.0
+    # The default task's data do not change with the new option (same draws as before it existed).
+    assert SyntheticTask().gold_rewards(["p"], ["x"]) == [SyntheticTask().gold_reward("x")]
+    with pytest.raises(ValueError, match="gold"):
+        SyntheticTask(TaskConfig(gold="lcs"))

@@ -92,6 +92,7 @@ def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_to
          gradient_accumulation_steps=2, value_weighting="position"),
     dict(termination="parsing", parsing_language="python", last_token_own_segment=True, ratio_granularity="token",
          segment_reward="mean", rm_score_clip=0.01, value_clip_range=None, value_weighting="unit"),
+    dict(termination="word", value_weighting="first", segment_weighting="geometric"),
 ])
 def test_estimators_and_options_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer, options):
     config = _config(tmp_path, save_steps=2, **options)
@@ -173,11 +174,15 @@ def test_sampling_pass_logprobs_save_a_forward_and_train_alike(tmp_path, make_ti
         assert mine["objective/kl"] == pytest.approx(theirs["objective/kl"], abs=1e-4)
 
 
-def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
-    """Rows scored and updated in small length-sorted pieces with their padding cut train like one piece."""
+@pytest.mark.parametrize("weighting", [{}, dict(segment_weighting="uniform", termination="word",
+                                                 value_weighting="first")], ids=["tokens", "uniform-word"])
+def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
+                                                                 weighting):
+    """Rows scored and updated in small length-sorted pieces with their padding cut train like one piece (with
+    a plain mean over macro actions, each piece weighs by its share of the mini-batch's macro actions)."""
     records = [{"prompt": "Human: " + "more " * k + "\n\nAssistant:"} for k in (0, 9, 2, 14, 5, 1, 11, 3)]
     config = _config(tmp_path, per_device_batch_size=8, mini_batch_size=8, ppo_epochs=2, max_steps=2,
-                     max_prompt_length=96, max_length=128)
+                     max_prompt_length=96, max_length=128, **weighting)
     runs = []
     for options in (dict(), dict(gradient_accumulation_steps=4, forward_batch_size=3)):
         output_dir = tmp_path / f"run_{len(runs)}"
@@ -206,6 +211,8 @@ def test_config_validation():
         PPOConfig(max_prompt_length=512, max_response_length=600)
     with pytest.raises(ValueError, match="ngram"):
         PPOConfig(ngram=0)
+    with pytest.raises(ValueError, match="segment_weighting"):
+        PPOConfig(segment_weighting="uniform", ratio_granularity="token")
     defaults = PPOConfig()
     assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
         0.2, 1.0, 0.95, 0.05, 1)
