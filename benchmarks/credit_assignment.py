@@ -299,7 +299,8 @@ def summarize(results: Path, cells: dict[tuple[str, str, str], tuple[int, ...]])
         ppo_final = float(_smooth(baseline, SMOOTHING).mean(0)[-1]) if baseline is not None else math.nan
         # No target when token-level PPO did not improve on the SFT policy (steps to it would be meaningless).
         target = start_gold + 0.8 * (ppo_final - start_gold) if ppo_final > start_gold else math.inf
-        matched_kl = float(min(_smooth(k, SMOOTHING).mean(0)[-1] for k in kl.values()))
+        # Matched KL: how far token-level PPO has moved by its last step.
+        matched_kl = float(_smooth(kl[BASELINE_CELL], SMOOTHING).mean(0)[-1]) if BASELINE_CELL in kl else math.nan
         ppo_steps = math.nan
 
         def merits(g: np.ndarray, k: np.ndarray, final: np.ndarray) -> dict[str, float]:
@@ -359,9 +360,9 @@ def write_summary(summary: dict, results: Path, wall: dict) -> None:
              "Intervals: 95 % bootstrap over seeds. Steps to 80 %: first step at which the seed-mean training gold "
              f"({SMOOTHING}-step moving average) reaches 80 % of token-level PPO's (n1) final gain over the SFT policy "
              "(never: not within 50 steps); speed-up: n1's steps over the cell's. AUC: mean training gold over the "
-             "steps. Gold at matched KL: training gold read off the seed-mean gold-vs-KL curve at the smallest final "
-             "KL of any cell of the task and set-up (every step's prompts are new, so training gold is on unseen "
-             "prompts). Final gold: held-out prompts after the last step.", ""]
+             "steps. Gold at matched KL: training gold read off the seed-mean gold-vs-KL curve at the final "
+             "KL of token-level PPO (n1's final KL; - : the cell never moved that far; every step's prompts are new, "
+             "so training gold is on unseen prompts). Final gold: held-out prompts after the last step.", ""]
     if summary["missing_runs"]:
         lines += [f"**Incomplete: {len(summary['missing_runs'])} runs of the grid have no result yet** (they are "
                   "run by the next invocation of the script).", ""]

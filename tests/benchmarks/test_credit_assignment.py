@@ -93,6 +93,6 @@ def test_summary_figures_of_merit_on_made_up_curves(tmp_path):
     assert n5["steps_to_80"] < ppo["steps_to_80"] and n5["speedup_vs_ppo"] == pytest.approx(ppo["steps_to_80"] / n5["steps_to_80"])
     assert n5["auc"] > ppo["auc"] and n5["final_held_out_gold"] == pytest.approx(0.95)
     assert n5["steps_to_80_ci"] == (n5["steps_to_80"], n5["steps_to_80"])  # identical seeds: a point interval
-    # matched KL = the smaller final KL (n1's): n5 reaches it at half the steps, where its gold is the same
+    # matched KL = n1's final KL: n5 reaches it at half the steps, where its gold is the same
     # as n1's there (gold rises at the same rate per unit of KL in both)
     assert n5["gold_at_matched_kl"] == pytest.approx(ppo["gold_at_matched_kl"], abs=0.05)
