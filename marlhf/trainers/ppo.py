@@ -53,8 +53,8 @@ from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load
 from marlhf.rewards import code_rewards
 from marlhf.rollout import (Rollout, RewardFn, generate_responses, length_sorted_chunks, response_logprobs,
                             response_values, score_responses, trim_padding)
-from marlhf.segments import (fixed_ngram, num_segments, parsing, perplexity, randomized_ngram, split_last_token,
-                             word_starts, words)
+from marlhf.segments import num_segments, split_last_token
+from marlhf.termination import SegmentationBatch, get_termination, segment
 from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
                                     make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
                                     require_fields, save_final_model, start_run)
@@ -98,9 +98,10 @@ class PPOConfig(TrainingConfig):
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
 
     # Macro actions.
-    termination: Literal["fixed", "randomized", "perplexity", "parsing", "word"] = option(
-        "fixed", "macro-action termination rule (word: one macro action per word, read off the tokenizer's "
-                 "vocabulary)")
+    termination: str = option(
+        "fixed", "macro-action termination rule: fixed, randomized, perplexity, parsing, word (one macro action per "
+                 "word, read off the tokenizer's vocabulary), another rule registered with "
+                 "marlhf.termination.register_termination, or a dotted path package.module:function")
     ngram: int | None = option(
         5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
     randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "randomized: segment lengths to draw from", ge=1)
@@ -159,6 +160,7 @@ class PPOConfig(TrainingConfig):
         if self.rollout_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
+        get_termination(self.termination)  # an unknown name or a path that does not import stops here
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.mini_batch_size % self.gradient_accumulation_steps:
@@ -184,28 +186,17 @@ class PPOConfig(TrainingConfig):
 
 
 def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
-                  step: int) -> tuple[torch.Tensor, int]:
-    """Segment ids of the responses under the termination rule, and the number of rows the parser could
-    not segment (they fall back to one token per segment)."""
+                  step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Segment ids of the responses under the termination rule (marlhf.termination), and the rule's stats
+    (the parsing rule: how many rows fell back to one token per segment)."""
     mask = rollout.response_mask
-    parse_fallbacks = 0
-    if config.termination == "fixed":
-        segment_ids = fixed_ngram(mask, config.ngram)
-    elif config.termination == "randomized":  # drawn for the rows of all processes from a per-step seed
-        generator = torch.Generator().manual_seed(_seed(config.seed, step))
-        all_ids = randomized_ngram(_gather_rows(accelerator, mask), config.randomized_lengths, config.repeat_times,
-                                   generator)
-        segment_ids = _own_rows(accelerator, all_ids, like=mask)
-    elif config.termination == "perplexity":
-        segment_ids = perplexity(mask, rollout.ref_logprobs)
-    elif config.termination == "word":
-        segment_ids = words(mask, word_starts(rollout.response_ids, tokenizer))
-    else:
-        segment_ids, parse_fallbacks = parsing(rollout.response_ids, mask, tokenizer, config.parsing_cutoff,
-                                               config.parsing_language)
+    batch = SegmentationBatch(rollout.response_ids, mask, rollout.ref_logprobs, tokenizer, config,
+                              seed=_seed(config.seed, step), gather_rows=lambda x: _gather_rows(accelerator, x),
+                              own_rows=lambda x: _own_rows(accelerator, x, like=mask))
+    segment_ids, stats = segment(config.termination, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
-    return segment_ids, parse_fallbacks
+    return segment_ids, stats
 
 
 def sequence_advantages(config: PPOConfig, returns: torch.Tensor) -> torch.Tensor:
@@ -413,7 +404,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         if config.rm_score_clip is not None:
             scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
         rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)
-        segment_ids, parse_fallbacks = macro_actions(config, rollout, tokenizer, accelerator, step)
+        segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)
         returns = None
         # Batch statistics (baselines, whitening) are taken over the rows of all processes.
         if config.uses_critic:
@@ -498,8 +489,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
             }
             if critic is not None:
                 metrics["val/return_l2"] = _row_l2(returns, mask)
-            if config.termination == "parsing":
-                metrics["macro/parse_fallbacks"] = parse_fallbacks
+            metrics.update({f"macro/{name}": value for name, value in segmentation_stats.items()})
             metrics = reduce_metrics(metrics, accelerator)
             logger.log(metrics, done)
             progress.set_postfix(reward=f"{metrics['objective/rm_score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
