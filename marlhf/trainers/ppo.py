@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from marlhf.advantages import grpo, kl_penalized_rewards, macro_gae, reinforce, rloo, whiten
+from marlhf.advantages import kl_penalized_rewards, whiten
+from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.config import TrainingConfig, option
 from marlhf.evaluation.repetition import token_repetition
 from marlhf.logging_utils import reduce_metrics
@@ -116,8 +117,9 @@ class PPOConfig(TrainingConfig):
     reward: Literal["model", "code"] = option(
         "model", "score source: the reward model, or the unit tests in each record's input_output (APPS, run in "
                  "a sandbox); a reward function passed to train_ppo overrides both")
-    advantage: Literal["gae", "rloo", "grpo", "reinforce"] = option(
-        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages")
+    advantage: str = option(
+        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; or an "
+               "estimator registered with marlhf.estimators.register_estimator")
     num_samples_per_prompt: int = option(1, "responses sampled per prompt (rloo and grpo need >= 2)", ge=1)
     grpo_normalize_std: bool = option(True, "grpo: divide by the group's standard deviation")
     kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token)", ge=0)
@@ -154,8 +156,9 @@ class PPOConfig(TrainingConfig):
         if self.max_prompt_length + self.max_response_length > self.max_length:
             raise ValueError(f"max_prompt_length + max_response_length ({self.max_prompt_length} + "
                              f"{self.max_response_length}) must be <= max_length ({self.max_length})")
-        if self.advantage in ("rloo", "grpo") and self.num_samples_per_prompt < 2:
-            raise ValueError(f"advantage={self.advantage!r} needs num_samples_per_prompt >= 2, "
+        minimum = get_estimator(self.advantage).min_samples_per_prompt
+        if self.num_samples_per_prompt < minimum:
+            raise ValueError(f"advantage={self.advantage!r} needs num_samples_per_prompt >= {minimum}, "
                              f"got {self.num_samples_per_prompt}")
         if self.rollout_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
@@ -174,7 +177,7 @@ class PPOConfig(TrainingConfig):
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return get_estimator(self.advantage).needs_critic
 
     @property
     def reuses_rollout_forward(self) -> bool:
@@ -197,16 +200,6 @@ def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
     return segment_ids, stats
-
-
-def sequence_advantages(config: PPOConfig, returns: torch.Tensor) -> torch.Tensor:
-    """Critic-free advantages [N] from the total reward of each response [N] (score minus the KL penalty,
-    as TRL's RLOO does); the samples of one prompt are consecutive."""
-    if config.advantage == "rloo":
-        return rloo(returns, config.num_samples_per_prompt)
-    if config.advantage == "grpo":
-        return grpo(returns, config.num_samples_per_prompt, normalize_std=config.grpo_normalize_std)
-    return reinforce(returns)
 
 
 def code_reward_fn(records: list[dict[str, Any]]) -> RewardFn:
@@ -405,14 +398,10 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
             scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
         rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)
         segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)
-        returns = None
         # Batch statistics (baselines, whitening) are taken over the rows of all processes.
-        if config.uses_critic:
-            advantages, returns = macro_gae(rewards, rollout.values, mask, segment_ids, config.gamma, config.lam,
-                                            config.value_weighting, config.segment_reward)
-        else:
-            all_advantages = sequence_advantages(config, _gather_rows(accelerator, rewards.sum(dim=1)))
-            advantages = torch.where(mask, _own_rows(accelerator, all_advantages, like=mask)[:, None], 0.0)
+        advantages, returns = get_estimator(config.advantage).fn(AdvantageBatch(
+            rewards, rollout.values, mask, segment_ids, config, gather_rows=lambda x: _gather_rows(accelerator, x),
+            own_rows=lambda x: _own_rows(accelerator, x, like=mask)))
         if config.whiten_advantages:
             all_advantages = whiten(_gather_rows(accelerator, advantages), _gather_rows(accelerator, mask))
             advantages = _own_rows(accelerator, all_advantages, like=mask)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import marlhf.estimators as estimators
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import token_gae
 from marlhf.checkpoint import list_checkpoints
@@ -75,7 +76,7 @@ def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_to
         calls.append(segment_ids)
         return token_gae(rewards, values, mask, gamma, lam)
 
-    monkeypatch.setattr(ppo, "macro_gae", forced_token_gae)
+    monkeypatch.setattr(estimators, "macro_gae", forced_token_gae)
     monkeypatch.setattr(ppo, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
     monkeypatch.setattr(ppo, "value_loss", lambda *args: value_loss(*args[:4], None, *args[5:]))
     token = run(tmp_path / "token")

@@ -1,0 +1,68 @@
+"""Advantage estimators behind one interface: built-ins equal the core functions; a registered one trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marlhf.advantages import grpo, macro_gae, reinforce, rloo
+from marlhf.estimators import ESTIMATORS, AdvantageBatch, get_estimator, register_estimator
+from marlhf.logging_utils import read_metrics
+from marlhf.segments import fixed_ngram
+from marlhf.trainers.ppo import PPOConfig, train_ppo
+from tests.reference import random_batch
+from tests.trainers.test_ppo import RECORDS, _config, count_e
+
+
+def _batch(**options) -> AdvantageBatch:
+    g = torch.Generator().manual_seed(0)
+    mask, _ = random_batch(8, 7, g)
+    rewards = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
+    values = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
+    config = PPOConfig(**options)
+    return AdvantageBatch(rewards, values, mask, fixed_ngram(mask, config.ngram), config)
+
+
+def test_builtins_are_the_core_functions():
+    assert {name: (e.needs_critic, e.min_samples_per_prompt) for name, e in ESTIMATORS.items()
+            if name in ("gae", "rloo", "grpo", "reinforce")} == {
+        "gae": (True, 1), "rloo": (False, 2), "grpo": (False, 2), "reinforce": (False, 1)}
+    batch = _batch(value_weighting="first", lam=0.9, ngram=3)
+    advantages, returns = get_estimator("gae").fn(batch)
+    expected = macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, 1.0, 0.9, "first")
+    assert torch.equal(advantages, expected[0]) and torch.equal(returns, expected[1])
+    totals = batch.rewards.sum(1)
+    for name, reference in (("rloo", rloo(totals, 2)), ("grpo", grpo(totals, 2)), ("reinforce", reinforce(totals))):
+        advantages, returns = get_estimator(name).fn(_batch(advantage=name, num_samples_per_prompt=2)
+                                                     if name != "reinforce" else batch)
+        assert returns is None
+        assert torch.equal(advantages, torch.where(batch.mask, reference[:, None], 0.0)), name
+
+
+def test_unknown_estimator_and_too_few_samples_are_refused():
+    with pytest.raises(ValueError, match="advantage must be one of"):
+        PPOConfig(advantage="ppo")
+    with pytest.raises(ValueError, match="num_samples_per_prompt >= 2"):
+        PPOConfig(advantage="grpo")
+    with pytest.raises(ValueError, match="already registered"):
+        register_estimator("gae", needs_critic=False)(lambda batch: None)
+
+
+def test_a_registered_critic_free_estimator_trains_without_a_critic(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    seen = []
+
+    @register_estimator("sign", needs_critic=False)
+    def sign(batch):  # +1 / -1 by whether a response's total beats the batch median
+        totals = batch.gather_rows(batch.rewards.sum(dim=1))
+        seen.append(batch.values)
+        advantages = batch.own_rows(torch.sign(totals - totals.median()))
+        return torch.where(batch.mask, advantages[:, None], 0.0), None
+
+    try:
+        config = _config(tmp_path, advantage="sign", max_steps=2)
+        assert not config.uses_critic
+        train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+        metrics = read_metrics(tmp_path / "ppo")
+        assert len(metrics) == 2 and "loss/value" not in metrics[0] and seen == [None, None]
+    finally:
+        ESTIMATORS.pop("sign")
