@@ -90,6 +90,15 @@ def split_cell(cell: str) -> tuple[str, str]:
     return term, variant
 
 
+def cell_options(cell: str) -> dict:
+    """PPOConfig options of a cell: its termination, then each of its variants (`word+vw_first+sw_uniform`)."""
+    term, variant = split_cell(cell)
+    options = dict(TERMINATIONS[term])
+    for part in variant.split("+") if variant else ():
+        options.update(VARIANTS[part])
+    return options
+
+
 def grid(tasks=tuple(TASKS), setups=tuple(SETUPS)) -> dict[tuple[str, str, str], tuple[int, ...]]:
     """{(task, setup, cell): seeds}, the issue's grid. A cell named by several parts of the grid runs on the
     union of their seeds."""
@@ -190,8 +199,7 @@ def run_one(task: str, setup: str, cell: str, seed: int, work: str, results: str
     run_dir = work / "runs" / task / setup / cell / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a run cut off midway starts again
-    term, variant = split_cell(cell)
-    options = {**TERMINATIONS[term], **VARIANTS[variant]}
+    options = cell_options(cell)
     rl_prompts = models.task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in models.task.prompts(config.eval_prompts, seed=2)]
     start = time.perf_counter()
@@ -341,7 +349,8 @@ def summarize(results: Path, cells: dict[tuple[str, str, str], tuple[int, ...]])
 
 def _cell_sort_key(cell: str):
     term, variant = split_cell(cell)
-    return list(VARIANTS).index(variant), list(TERMINATIONS).index(term)
+    first_variant = variant.split("+")[0]
+    return list(VARIANTS).index(first_variant), variant, list(TERMINATIONS).index(term)
 
 
 def _fmt(value: float, interval: tuple[float, float] | None = None, digits: int = 3) -> str:
@@ -456,12 +465,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_runs", type=int, default=None, help="stop after starting this many new runs")
     parser.add_argument("--summarize", action="store_true", help="only write the table and figures")
     parser.add_argument("--quick", action="store_true", help="a 2-cell grid with tiny sizes (seconds; the test's)")
+    parser.add_argument("--cells", nargs="+", default=None,
+                        help="exploratory runs outside the pre-registered grid: these cells (e.g. perplexity+vw_first) "
+                             "of --tasks x --setups on --seeds; give them their own --results directory")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the --cells runs")
     arguments = parser.parse_args(argv)
     if arguments.workers < 1:
         parser.error("--workers must be >= 1")
     work, results = Path(arguments.work), Path(arguments.results)
     results.mkdir(parents=True, exist_ok=True)
-    cells = quick_grid() if arguments.quick else grid(tuple(arguments.tasks), tuple(arguments.setups))
+    if arguments.cells:
+        for cell in arguments.cells:
+            term, variant = split_cell(cell)
+            if term not in TERMINATIONS or not all(v in VARIANTS for v in variant.split("+")):
+                parser.error(f"--cells: {cell!r} is not TERMINATION[+VARIANT] with TERMINATION in {list(TERMINATIONS)} "
+                             f"and VARIANT in {[v for v in VARIANTS if v]}")
+        cells = {(task, setup, cell): tuple(arguments.seeds)
+                 for task in arguments.tasks for setup in arguments.setups for cell in arguments.cells}
+    else:
+        cells = quick_grid() if arguments.quick else grid(tuple(arguments.tasks), tuple(arguments.setups))
     jobs = [j for j in job_order(cells) if not result_path(results, *j).exists()]
     total = sum(len(s) for s in cells.values())
     print(f"credit assignment: {len(cells)} cells, {total} runs, {total - len(jobs)} done, {len(jobs)} to run",

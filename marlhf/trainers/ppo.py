@@ -44,6 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from marlhf.advantages import kl_penalized_rewards, whiten
+from marlhf.engines import ENGINES, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.config import TrainingConfig, option
 from marlhf.evaluation.repetition import token_repetition
@@ -52,7 +53,7 @@ from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
                              merge_lora, pad_sequences)
 from marlhf.rewards import code_rewards
-from marlhf.rollout import (Rollout, RewardFn, generate_responses, length_sorted_chunks, response_logprobs,
+from marlhf.rollout import (Rollout, RewardFn, length_sorted_chunks, response_logprobs,
                             response_values, score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, get_termination, segment
@@ -80,6 +81,8 @@ class PPOConfig(TrainingConfig):
         8, "responses per optimizer update (per process); each is split into gradient_accumulation_steps pieces",
         ge=1)
     ppo_epochs: int = option(1, "passes of PPO updates over each rollout", ge=1)
+    rollout_engine: str = option("hf", "what samples the responses (marlhf.engines): hf, transformers' generate on "
+                                       "the policy, or an engine registered with register_engine")
     rollout_logprobs: Literal["recompute", "sampling"] = option(
         "recompute", "the rollout's policy log-probs: a forward pass over prompt + response (exact), or kept from "
                      "the sampling pass (one forward fewer per step, as TRL's PPO does; a KV-cached pass can differ "
@@ -164,6 +167,8 @@ class PPOConfig(TrainingConfig):
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(f"rollout_engine must be one of {sorted(ENGINES)}, got {self.rollout_engine!r}")
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.mini_batch_size % self.gradient_accumulation_steps:
@@ -351,6 +356,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     if eos_token_id is None:
         eos_token_id = tokenizer.eos_token_id
 
+    engine = get_engine(config.rollout_engine)
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
@@ -366,9 +372,10 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
         for model, _, _ in updaters:
             model.eval()  # generate with the KV cache (train mode with gradient checkpointing turns it off)
+        engine.sync_weights(accelerator.unwrap_model(policy))
         with accelerator.autocast():
-            response_ids, response_mask, *sampled_logprobs = generate_responses(
-                accelerator.unwrap_model(policy), query_ids, query_mask, row_seeds=row_seeds,
+            response_ids, response_mask, *sampled_logprobs = engine.generate(
+                query_ids, query_mask, row_seeds=row_seeds,
                 max_new_tokens=config.max_response_length,
                 temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                 eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id,
