@@ -45,6 +45,11 @@ class DemoConfig(ConfigBase):
     ppo_learning_rate: float = option(3e-4, "policy learning rate", gt=0)
     dpo_learning_rate: float = option(3e-4, "learning rate of the dpo method", gt=0)
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
+    value_weighting: Literal["equal", "unit", "position", "first"] = option(
+        "equal", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
+                 "macro action starts, see the README's credit-assignment study)")
+    segment_weighting: Literal["tokens", "uniform", "geometric"] = option(
+        "tokens", "MA-PPO's policy loss over macro actions (PPOConfig.segment_weighting)")
     critic_init: Literal["reward", "sft"] = option(
         "reward", "critic initialisation: the reward model (the paper's choice) or the SFT model with a fresh head")
     kl_coef: float = option(0.05, "KL penalty coefficient", ge=0)

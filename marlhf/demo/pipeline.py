@@ -209,7 +209,8 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
         kl_coef=config.kl_coef,
         critic_model_name_or_path=str(models.sft_dir if config.critic_init == "sft" else models.reward_dir),
         max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=response_tokens,
-        max_length=MAX_PROMPT_TOKENS + response_tokens, **options)
+        max_length=MAX_PROMPT_TOKENS + response_tokens,
+        **{"value_weighting": config.value_weighting, "segment_weighting": config.segment_weighting, **options})
     policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn)
     _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
     return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,

@@ -29,7 +29,7 @@ from marlhf.config import ConfigBase, option
 from marlhf.evaluation.judge import write_jsonl
 from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
-from marlhf.evaluation.repetition import text_repetition
+from marlhf.metrics import text_repetition
 from marlhf.modeling import pad_sequences
 from marlhf.rollout import generate_responses
 from marlhf.trainers.common import collate_prompt_response, encode_prompt_response

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Container, Sequence
+from typing import Any, Callable, Container, Sequence
 
 from marlhf.rewards._sandbox_child import EXIT_COMPILE_ERROR, READY
 
@@ -429,3 +429,19 @@ def _probe(isolation: str) -> None:
         result = _run_in_sandbox(program_path, "", None, run_dir, uid, isolation, 10.0, SandboxLimits())
     if result != _RunResult("ok", b"ok\n"):
         raise RuntimeError(f"code sandbox probe with isolation {isolation!r} failed: {result}")
+
+
+def code_reward_fn(records: list[dict[str, Any]]) -> Callable[[list[str], list[str]], list[float]]:
+    """Reward function scoring each response as a program on the unit tests of its prompt's record."""
+    tests_by_prompt: dict[str, str] = {}
+    for index, record in enumerate(records):
+        tests = record.get("input_output")
+        if not isinstance(tests, str) or not tests.strip():
+            raise ValueError(f"reward='code' needs an input_output field (JSON unit tests) in record {index}")
+        if tests_by_prompt.setdefault(record["prompt"], tests) != tests:
+            raise ValueError(f"record {index} repeats a prompt with different unit tests")
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        return code_rewards(responses, [json.loads(tests_by_prompt[p]) for p in prompts])
+
+    return score

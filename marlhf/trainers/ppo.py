@@ -47,12 +47,12 @@ from marlhf.advantages import kl_penalized_rewards, whiten
 from marlhf.engines import ENGINES, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.config import TrainingConfig, option
-from marlhf.evaluation.repetition import token_repetition
+from marlhf.metrics import row_l2, token_repetition
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
                              merge_lora, pad_sequences)
-from marlhf.rewards import code_rewards
+from marlhf.rewards import code_reward_fn
 from marlhf.rollout import (Rollout, RewardFn, length_sorted_chunks, response_logprobs,
                             response_values, score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
@@ -207,22 +207,6 @@ def macro_actions(config: PPOConfig, rollout: Rollout, tokenizer, accelerator,
     return segment_ids, stats
 
 
-def code_reward_fn(records: list[dict[str, Any]]) -> RewardFn:
-    """Reward function scoring each response as a program on the unit tests of its prompt's record."""
-    tests_by_prompt: dict[str, str] = {}
-    for index, record in enumerate(records):
-        tests = record.get("input_output")
-        if not isinstance(tests, str) or not tests.strip():
-            raise ValueError(f"reward='code' needs an input_output field (JSON unit tests) in record {index}")
-        if tests_by_prompt.setdefault(record["prompt"], tests) != tests:
-            raise ValueError(f"record {index} repeats a prompt with different unit tests")
-
-    def score(prompts: list[str], responses: list[str]) -> list[float]:
-        return code_rewards(responses, [json.loads(tests_by_prompt[p]) for p in prompts])
-
-    return score
-
-
 def _seed(*numbers: int) -> int:
     """A well-mixed 32-bit seed from several integers (run seed, step, row)."""
     return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
@@ -240,11 +224,6 @@ def _own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     start = accelerator.process_index * like.shape[0]
     x = x[start : start + like.shape[0]]
     return x[:, : like.shape[1]] if x.dim() == 2 else x
-
-
-def _row_l2(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of the L2 norm of each row's real tokens (the paper's Figure 11 diagnostic)."""
-    return torch.where(mask, x, 0.0).norm(dim=1).mean()
 
 
 def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, max_prompt_length: int,
@@ -476,7 +455,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 "objective/response_length": mask.sum(1).float().mean(),
                 "objective/repetition": token_repetition(rollout.response_ids, mask).mean(),
                 **{name: torch.stack(values).mean() for name, values in update_stats.items()},
-                "val/advantage_l2": _row_l2(advantages, mask),
+                "val/advantage_l2": row_l2(advantages, mask),
                 "macro/mean_segment_length": mask.sum() / num_segments(segment_ids).sum(),
                 "time/generation": generation_end - step_start,
                 "time/scoring": scoring_end - generation_end,
@@ -484,7 +463,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
                 "time/step_seconds": _clock(device) - step_start,
             }
             if critic is not None:
-                metrics["val/return_l2"] = _row_l2(returns, mask)
+                metrics["val/return_l2"] = row_l2(returns, mask)
             metrics.update({f"macro/{name}": value for name, value in segmentation_stats.items()})
             metrics = reduce_metrics(metrics, accelerator)
             logger.log(metrics, done)

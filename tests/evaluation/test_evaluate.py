@@ -6,7 +6,7 @@ import torch
 
 from marlhf.evaluation.evaluate import (EvaluateConfig, best_of_n_table, generate_texts, reward_model_scores,
                                         run_evaluation, summarize_scores)
-from marlhf.evaluation.repetition import text_repetition
+from marlhf.metrics import text_repetition
 from marlhf.modeling import ScalarHeadModel
 from tests.conftest import build_tiny_causal_lm
 

@@ -14,7 +14,8 @@ from marlhf.checkpoint import list_checkpoints
 from marlhf.logging_utils import read_metrics
 from marlhf.losses import policy_loss, value_loss
 from marlhf.modeling import ScalarHeadModel
-from marlhf.trainers.ppo import PPOConfig, code_reward_fn, train_ppo
+from marlhf.rewards import code_reward_fn
+from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.killed_run import run_until_killed
 
 TOPICS = ("cats", "dogs", "bread", "rain", "code", "tea", "maps", "boats")

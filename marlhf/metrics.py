@@ -1,5 +1,6 @@
-"""Repetition of generated text: the reward hacking MA-RLHF reports on WebGPT (the policy learns to
-repeat phrases the reward model likes). Cheap enough to log at every PPO step."""
+"""Diagnostics PPO logs every step and evaluation reports: repetition of generated text (the reward hacking
+MA-RLHF reports on WebGPT, where the policy learns to repeat phrases the reward model likes) and the L2 norms
+of advantages and returns (the paper's Figure 11)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ def token_repetition(response_ids: torch.Tensor, response_mask: torch.Tensor, n:
         raise ValueError(f"response_ids {tuple(response_ids.shape)} and response_mask {tuple(response_mask.shape)} disagree")
     rows = [ids[mask].tolist() for ids, mask in zip(response_ids.cpu(), response_mask.bool().cpu())]
     return torch.tensor([repeated_ngram_fraction(row, n) for row in rows], dtype=torch.float32)
+
+
+def row_l2(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the L2 norm of each row's real tokens: `[B, T]` values and bool mask -> 0-dim."""
+    return torch.where(mask, x, 0.0).norm(dim=1).mean()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from marlhf.evaluation.repetition import repeated_ngram_fraction, text_repetition, token_repetition
+from marlhf.metrics import repeated_ngram_fraction, row_l2, text_repetition, token_repetition
 
 
 def reference(tokens, n):
@@ -34,3 +34,9 @@ def test_token_repetition_ignores_padding():
 def test_rejects_bad_n():
     with pytest.raises(ValueError, match="n must be"):
         repeated_ngram_fraction([1, 2], 0)
+
+
+def test_row_l2_is_the_mean_row_norm_over_real_tokens():
+    x = torch.tensor([[3.0, 4.0, 100.0], [1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert row_l2(x, mask).item() == pytest.approx((5.0 + 1.0) / 2)
