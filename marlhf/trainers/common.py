@@ -17,6 +17,8 @@ API:
     require_fields(records, ("prompt", "response"), "sft")   # ValueError naming the record and field
     accumulation_context(accelerator, model, is_last_micro_batch)
     grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm)
+    model = train_supervised(config, accelerator, model, tokenizer, examples, collate, loss_fn, desc)
+        # the loop SFT, reward modelling and DPO share: each gives its batch collation and its loss
 
 A step is one optimizer step over per_device_batch_size x gradient_accumulation_steps x num_processes
 records. The record order depends only on (seed, epoch), so a resumed run sees exactly the batches the
@@ -33,12 +35,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
+from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from marlhf.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from marlhf.config import RunConfig, TrainingConfig
-from marlhf.logging_utils import MetricsLogger
-from marlhf.modeling import pad_sequences
+from marlhf.logging_utils import MetricsLogger, reduce_metrics
+from marlhf.modeling import merge_lora, pad_sequences
 
 
 def make_accelerator(config: RunConfig) -> Accelerator:
@@ -202,3 +205,53 @@ def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: 
     scheduler.step()
     optimizer.zero_grad()
     return grad_norm, learning_rate
+
+
+def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: torch.nn.Module, tokenizer,
+                     examples: list, collate, loss_fn, desc: str, evaluate=None) -> torch.nn.Module:
+    """The supervised loop of SFT, reward modelling and DPO, from optimiser setup to the saved final model.
+
+    `collate(examples, pad_token_id, device) -> batch`; `loss_fn(model, batch) -> (loss, stats)` with 0-dim
+    detached stats, logged with the loss as their means over the step's micro-batches;
+    `evaluate(model, step) -> dict` (optional) adds metrics after a step (empty: none this step). Returns the
+    trained model unwrapped (with LoRA: the adapters merged).
+    """
+    plan = BatchPlan(len(examples), config, accelerator)
+    optimizer = make_optimizer(model, config)
+    scheduler = make_scheduler(optimizer, config, plan.total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
+    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+
+    model.train()
+    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc=desc,
+                    disable=not accelerator.is_local_main_process)
+    for step in progress:
+        micro_batches = plan.micro_batches(step)
+        step_stats = []
+        for index, indices in enumerate(micro_batches):
+            batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
+            with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
+                loss, stats = loss_fn(model, batch)
+                accelerator.backward(loss / len(micro_batches))
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
+
+        done = step + 1
+        metrics = {}
+        if done % config.logging_steps == 0 or done == plan.total_steps:
+            means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
+            metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
+            metrics.update(learning_rate=learning_rate, epoch=plan.epoch_at(done))
+        if evaluate is not None:
+            metrics.update(evaluate(model, done, plan.total_steps))
+        if metrics:
+            logger.log(metrics, done)
+            progress.set_postfix({k: f"{v:.4f}" for k, v in metrics.items() if k in ("loss", "eval/accuracy")})
+        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
+
+    logger.close()
+    if config.use_lora:
+        model = merge_lora(accelerator.unwrap_model(model))
+    save_final_model(model, tokenizer, config.output_dir, accelerator)
+    return accelerator.unwrap_model(model)

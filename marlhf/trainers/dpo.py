@@ -14,16 +14,11 @@ import dataclasses
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from marlhf.config import TrainingConfig, option
-from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import dpo_loss
-from marlhf.modeling import (AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, merge_lora,
-                             sequence_logprobs)
-from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
-                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
-                                    require_fields, save_final_model, start_run)
+from marlhf.modeling import (AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, sequence_logprobs)
+from marlhf.trainers.common import make_accelerator, records_from_config, require_fields, train_supervised
 from marlhf.trainers.reward import PAIR_FIELDS, collate_pairs, encode_pairs
 
 
@@ -65,42 +60,11 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
         ref_model.requires_grad_(False).eval().to(accelerator.device)
     pairs = encode_pairs(tokenizer, records, config)
 
-    plan = BatchPlan(len(pairs), config, accelerator)
-    optimizer = make_optimizer(model, config)
-    scheduler = make_scheduler(optimizer, config, plan.total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
-    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+    def loss_fn(model, batch):
+        with torch.no_grad(), accelerator.autocast():
+            ref_chosen, ref_rejected = response_logprob_sums(ref_model, batch).chunk(2)
+        policy_chosen, policy_rejected = response_logprob_sums(model, batch).chunk(2)
+        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=config.beta,
+                        label_smoothing=config.label_smoothing)
 
-    model.train()
-    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="dpo",
-                    disable=not accelerator.is_local_main_process)
-    for step in progress:
-        micro_batches = plan.micro_batches(step)
-        step_stats = []
-        for index, indices in enumerate(micro_batches):
-            batch = collate_pairs([pairs[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
-            with torch.no_grad(), accelerator.autocast():
-                ref_chosen, ref_rejected = response_logprob_sums(ref_model, batch).chunk(2)
-            with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
-                policy_chosen, policy_rejected = response_logprob_sums(model, batch).chunk(2)
-                loss, stats = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                                       beta=config.beta, label_smoothing=config.label_smoothing)
-                accelerator.backward(loss / len(micro_batches))
-            step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
-
-        done = step + 1
-        if done % config.logging_steps == 0 or done == plan.total_steps:
-            means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
-            metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
-            metrics.update(learning_rate=learning_rate, epoch=plan.epoch_at(done))
-            logger.log(metrics, done)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
-
-    logger.close()
-    if config.use_lora:
-        model = merge_lora(accelerator.unwrap_model(model))
-    save_final_model(model, tokenizer, config.output_dir, accelerator)
-    return accelerator.unwrap_model(model)
+    return train_supervised(config, accelerator, model, tokenizer, pairs, collate_pairs, loss_fn, "dpo")

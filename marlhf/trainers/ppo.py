@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import time
 from typing import Any, Literal
 

@@ -16,16 +16,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from tqdm.auto import tqdm
 
 from marlhf.config import TrainingConfig, option
-from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import bradley_terry_loss
-from marlhf.modeling import ScalarHeadModel, apply_lora, last_token_index, load_tokenizer, merge_lora
-from marlhf.trainers.common import (BatchPlan, accumulation_context, collate_prompt_response,
-                                    encode_prompt_response, make_accelerator, make_optimizer, make_scheduler,
-                                    maybe_save_checkpoint, optimizer_step, records_from_config, require_fields,
-                                    save_final_model, start_run)
+from marlhf.modeling import ScalarHeadModel, apply_lora, last_token_index, load_tokenizer
+from marlhf.trainers.common import (collate_prompt_response, encode_prompt_response, make_accelerator,
+                                    records_from_config, require_fields, train_supervised)
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 Pair = tuple[tuple[list[int], int], tuple[list[int], int]]
@@ -111,44 +107,11 @@ def train_reward_model(config: RewardConfig, records: list[dict[str, Any]] | Non
     model = apply_lora(model, config)
     pairs, eval_pairs = encode_pairs(tokenizer, records, config), encode_pairs(tokenizer, eval_records, config)
 
-    plan = BatchPlan(len(pairs), config, accelerator)
-    optimizer = make_optimizer(model, config)
-    scheduler = make_scheduler(optimizer, config, plan.total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
-    start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
+    def evaluate(model, done: int, total_steps: int) -> dict[str, float]:
+        if eval_pairs and ((config.eval_steps and done % config.eval_steps == 0) or done == total_steps):
+            return evaluate_reward_model(model, eval_pairs, tokenizer.pad_token_id, config.per_device_eval_batch_size,
+                                         accelerator)
+        return {}
 
-    model.train()
-    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="reward",
-                    disable=not accelerator.is_local_main_process)
-    for step in progress:
-        micro_batches = plan.micro_batches(step)
-        step_stats = []
-        for index, indices in enumerate(micro_batches):
-            batch = collate_pairs([pairs[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
-            with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
-                loss, stats = bradley_terry_loss(*pair_scores(model, batch))
-                accelerator.backward(loss / len(micro_batches))
-            step_stats.append(torch.stack([loss.detach(), stats["accuracy"], stats["margin"]]))
-        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
-
-        done = step + 1
-        metrics = {}
-        if done % config.logging_steps == 0 or done == plan.total_steps:
-            loss, accuracy, margin = torch.stack(step_stats).mean(0)
-            metrics = reduce_metrics({"loss": loss, "accuracy": accuracy, "margin": margin, "grad_norm": grad_norm},
-                                     accelerator)
-            metrics.update(learning_rate=learning_rate, epoch=plan.epoch_at(done))
-        if eval_pairs and ((config.eval_steps and done % config.eval_steps == 0) or done == plan.total_steps):
-            metrics.update(evaluate_reward_model(model, eval_pairs, tokenizer.pad_token_id,
-                                                 config.per_device_eval_batch_size, accelerator))
-        if metrics:
-            logger.log(metrics, done)
-            progress.set_postfix({k: f"{v:.4f}" for k, v in metrics.items() if k in ("loss", "eval/accuracy")})
-        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
-
-    logger.close()
-    if config.use_lora:
-        model = merge_lora(accelerator.unwrap_model(model))
-    save_final_model(model, tokenizer, config.output_dir, accelerator)
-    return accelerator.unwrap_model(model)
+    return train_supervised(config, accelerator, model, tokenizer, pairs, collate_pairs,
+                            lambda model, batch: bradley_terry_loss(*pair_scores(model, batch)), "reward", evaluate)
