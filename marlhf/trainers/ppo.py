@@ -9,20 +9,23 @@ the critic then starts from the reward model if one is named, else from the SFT 
 value head.
 
 Each step, top to bottom:
-  1. rollout: sample `num_samples_per_prompt` responses per prompt, score them (log-probs of policy
-     and reference, critic values, one score per response);
+  1. rollout: sample `num_samples_per_prompt` responses per prompt with the rollout engine
+     (marlhf.engines), score them (log-probs of policy and reference, critic values, one score per
+     response);
   2. per-token rewards: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
-  3. macro actions: segment the responses with the termination rule (fixed / randomized n-grams,
-     perplexity, parsing);
-  4. advantages: GAE over segments (`advantage="gae"`; `termination="fixed", ngram=1` is token-level
-     PPO), or a critic-free sequence estimator ("rloo", "grpo", "reinforce") on the summed reward;
+  3. macro actions: segment the responses with the termination rule (marlhf.termination: fixed /
+     randomized n-grams, perplexity, parsing, word, or one of yours);
+  4. advantages with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
+     `termination="fixed", ngram=1` is token-level PPO), or a critic-free sequence estimator ("rloo",
+     "grpo", "reinforce") on the summed reward;
   5. PPO epochs over shuffled mini-batches: clipped policy loss with one ratio per segment (also for
      the critic-free estimators: `ngram=None` gives a sequence-level ratio, `ngram=1` token-level
      ratios as in TRL's GRPO), clipped value loss on segment values;
   6. metrics, checkpoint.
 
 Defaults follow the paper (SPEC.md); `ratio_granularity`, `segment_reward`, `last_token_own_segment`
-and `rm_score_clip` reproduce the released code's choices instead.
+and `rm_score_clip` reproduce the released code's choices instead; `value_weighting="first"` and
+`segment_weighting` are the credit-assignment study's alternatives (README).
 
 Data parallel (Accelerate): each process samples responses to its own prompts, every response from its own
 random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
