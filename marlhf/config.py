@@ -149,6 +149,8 @@ def _scalar_parser(name: str, annotation: Any, optional: bool):
 class ConfigBase:
     """Base of every marlhf config: typed, bounded fields; YAML and CLI round trips."""
 
+    HELP_SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {}  # --help title -> field names
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -191,11 +193,18 @@ class ConfigBase:
         parser.add_argument("--config", default=None, metavar="FILE.yaml",
                             help="YAML file of option values; flags given on the command line override it")
         hints = typing.get_type_hints(cls)
+        # Fields named in HELP_SECTIONS are listed under their section's title in --help, the rest first.
+        section_of = {name: title for title, names in cls.HELP_SECTIONS.items() for name in names}
+        unknown = sorted(set(section_of) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.HELP_SECTIONS names fields it does not have: {unknown}")
+        groups = {title: parser.add_argument_group(title) for title in cls.HELP_SECTIONS}
         for f in dataclasses.fields(cls):
             if f.name == "config":
                 raise TypeError("a config field may not be called 'config' (reserved for --config)")
             help_text = f"{f.metadata.get('help', '')} (default: {_format_default(f.default)})"
-            parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, help=help_text,
+            target = groups[section_of[f.name]] if f.name in section_of else parser
+            target.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, help=help_text,
                                 **_argparse_kwargs(f.name, hints[f.name]))
 
     @classmethod

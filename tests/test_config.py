@@ -102,3 +102,26 @@ def test_reserved_config_field():
 
     with pytest.raises(TypeError, match="config"):
         Clash.add_arguments(argparse.ArgumentParser())
+
+
+def test_help_sections_group_the_flags():
+    import argparse
+    import dataclasses
+
+    from marlhf.trainers.ppo import PPOConfig
+
+    parser = argparse.ArgumentParser()
+    PPOConfig.add_arguments(parser)
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert groups["macro actions"][:2] == ["termination", "ngram"]
+    assert "segment_weighting" in groups["losses"] and "value_weighting" in groups["rewards and advantages"]
+    listed = {name for names in PPOConfig.HELP_SECTIONS.values() for name in names}
+    assert set(sum(groups.values(), [])) >= set(PPOConfig.field_names()) | {"config"}  # every flag somewhere
+    assert not listed & set(groups["options"])
+
+    @dataclasses.dataclass(kw_only=True)
+    class Bad(PPOConfig):
+        HELP_SECTIONS = {"oops": ("no_such_field",)}
+
+    with pytest.raises(TypeError, match="no_such_field"):
+        Bad.add_arguments(argparse.ArgumentParser())

@@ -156,6 +156,18 @@ class PPOConfig(TrainingConfig):
         False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
                "(no second copy); the final policy is saved merged")
 
+    HELP_SECTIONS = {
+        "sampling": ("rollout_engine", "rollout_logprobs", "forward_batch_size", "max_prompt_length",
+                     "max_response_length", "max_length", "temperature", "top_k", "top_p"),
+        "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
+                          "parsing_language", "last_token_own_segment"),
+        "rewards and advantages": ("reward", "advantage", "num_samples_per_prompt", "grpo_normalize_std", "kl_coef",
+                                   "rm_score_clip", "gamma", "lam", "value_weighting", "segment_reward",
+                                   "whiten_advantages"),
+        "losses": ("clip_range", "ratio_granularity", "segment_weighting", "value_clip_range"),
+        "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
+    }
+
     def validate(self) -> None:
         super().validate()
         if self.max_prompt_length + self.max_response_length > self.max_length:
