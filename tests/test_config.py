@@ -105,9 +105,6 @@ def test_reserved_config_field():
 
 
 def test_help_sections_group_the_flags():
-    import argparse
-    import dataclasses
-
     from marlhf.trainers.ppo import PPOConfig
 
     parser = argparse.ArgumentParser()

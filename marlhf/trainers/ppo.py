@@ -8,7 +8,8 @@ reward model (a ScalarHeadModel); the reward model is frozen. A reward function
 the critic then starts from the reward model if one is named, else from the SFT model with a fresh
 value head.
 
-Each step, top to bottom:
+Each step, top to bottom (the stages are the functions `make_experience`, `macro_actions`,
+`estimate_advantages`, `ppo_update`, `step_metrics` over one `PPORun`):
   1. rollout: sample `num_samples_per_prompt` responses per prompt with the rollout engine
      (marlhf.engines), score them (log-probs of policy and reference, critic values, one score per
      response);
@@ -277,6 +278,173 @@ def _frozen(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model.requires_grad_(False).eval().to(device)
 
 
+@dataclasses.dataclass
+class PPORun:
+    """What every stage of a PPO step uses: the config, the models (prepared by Accelerate), the rollout
+    engine, the tokenized prompts and the batch plan."""
+
+    config: PPOConfig
+    accelerator: Any
+    tokenizer: Any
+    policy: torch.nn.Module
+    critic: torch.nn.Module | None
+    ref: Any
+    reward_model: ScalarHeadModel | None
+    reward_fn: RewardFn | None
+    engine: Any
+    updaters: list  # (model, optimizer, scheduler) of the policy, then the critic
+    prompt_texts: list[str]
+    prompt_ids: list[list[int]]
+    plan: BatchPlan
+    piece_size: int  # rows per forward pass in the update
+    eos_token_id: Any
+
+    def train(self, mode: bool = True) -> None:
+        for model, _, _ in self.updaters:
+            model.train(mode)
+
+
+def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Rollout, tuple | None]:
+    """Stage 1: sample the step's responses (the samples of one prompt are consecutive rows) and score them.
+
+    Returns the rollout and, when one update reuses the rollout's forwards (`reuses_rollout_forward`), the
+    policy log-probs and critic values computed with gradients (else None). Records `generation` and
+    `scoring` end times in `clock`."""
+    config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
+    device = accelerator.device
+    rows = [i for i in run.plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
+    query_ids, query_mask = pad_sequences([run.prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
+    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+    # One random stream per response, keyed by its row among all processes' rows: the samples do not
+    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
+    first_row = accelerator.process_index * config.rollout_size
+    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
+    run.engine.sync_weights(accelerator.unwrap_model(run.policy))
+    kept = None
+    with accelerator.autocast():
+        response_ids, response_mask, *sampled_logprobs = run.engine.generate(
+            query_ids, query_mask, row_seeds=row_seeds,
+            max_new_tokens=config.max_response_length,
+            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+            eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            return_logprobs=config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward)
+        clock["generation"] = _clock(device)
+        batch = (query_ids, query_mask, response_ids, response_mask)
+        if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
+            run.train()
+            kept = (response_logprobs(run.policy, *batch, temperature=config.temperature),
+                    response_values(run.critic, *batch) if run.critic is not None else None)
+            trained_outputs = dict(logprobs=kept[0], values=kept[1])
+        elif sampled_logprobs:
+            trained_outputs = dict(logprobs=sampled_logprobs[0], critic=run.critic)
+        else:
+            trained_outputs = dict(policy=run.policy, critic=run.critic)
+        rollout = score_responses(
+            *batch, ref=run.ref, temperature=config.temperature, reward_model=run.reward_model,
+            reward_fn=run.reward_fn, prompts=[run.prompt_texts[i] for i in rows], tokenizer=tokenizer,
+            chunk_size=config.forward_batch_size or run.piece_size, **trained_outputs)
+    clock["scoring"] = _clock(device)
+    return rollout, kept
+
+
+def estimate_advantages(run: PPORun, rollout: Rollout, rewards: torch.Tensor,
+                        segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked. Batch statistics
+    (baselines, whitening) are taken over the rows of all processes."""
+    accelerator, mask = run.accelerator, rollout.response_mask
+    advantages, returns = get_estimator(run.config.advantage).fn(AdvantageBatch(
+        rewards, rollout.values, mask, segment_ids, run.config, gather_rows=lambda x: _gather_rows(accelerator, x),
+        own_rows=lambda x: _own_rows(accelerator, x, like=mask)))
+    if run.config.whiten_advantages:
+        all_advantages = whiten(_gather_rows(accelerator, advantages), _gather_rows(accelerator, mask))
+        advantages = _own_rows(accelerator, all_advantages, like=mask)
+    return advantages, returns
+
+
+def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advantages: torch.Tensor,
+               returns: torch.Tensor | None, kept: tuple | None) -> dict[str, list[torch.Tensor]]:
+    """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
+    step of policy (and critic) per mini-batch. `kept`: the rollout's forwards with gradients, used instead of
+    new ones (one update per step). Returns each loss statistic per piece."""
+    config, accelerator, policy, critic = run.config, run.accelerator, run.policy, run.critic
+    mask = rollout.response_mask
+    run.train()
+    update_stats: dict[str, list[torch.Tensor]] = {}
+    for _ in range(config.ppo_epochs):
+        for mini_batch in torch.randperm(config.rollout_size).split(config.mini_batch_size):
+            mini_batch = mini_batch.to(accelerator.device)
+            # The losses are token means per piece; weighting each by its share of the mini-batch's tokens
+            # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
+            # processes' gradients, hence the factor num_processes).
+            num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
+            num_policy_units = accelerator.reduce(policy_loss_units(
+                mask[mini_batch], segment_ids[mini_batch], config.segment_weighting), reduction="sum")
+            # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
+            # a token sum, which does not depend on how the mini-batch is split.
+            pieces = [mini_batch[rows] for rows in length_sorted_chunks(
+                rollout.query_mask[mini_batch], mask[mini_batch], run.piece_size)]
+            for piece_index, piece in enumerate(pieces):
+                is_last_piece = piece_index == len(pieces) - 1
+                weight = mask[piece].sum() * accelerator.num_processes / num_tokens
+                policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting
+                                                  ) * accelerator.num_processes / num_policy_units
+                inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
+                                      rollout.response_ids[piece], mask[piece])
+                piece_mask = inputs[3]
+                cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
+                with accumulation_context(accelerator, policy, is_last_piece):
+                    logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
+                        policy, *inputs, temperature=config.temperature)
+                    pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
+                                                    advantages[piece, cols], piece_mask, segment_ids[piece, cols],
+                                                    config.clip_range, config.ratio_granularity,
+                                                    config.segment_weighting)
+                    accelerator.backward(pg_loss * policy_weight)
+                stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
+                         "policy/approxkl": pg_stats["approxkl"]}
+                if critic is not None:
+                    with accumulation_context(accelerator, critic, is_last_piece):
+                        values = kept[1][piece, cols] if kept is not None else response_values(critic, *inputs)
+                        vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
+                                                       piece_mask, segment_ids[piece, cols],
+                                                       config.value_clip_range, config.value_weighting)
+                        accelerator.backward(vf_loss * weight)
+                    stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
+                for name, value in stats.items():
+                    update_stats.setdefault(name, []).append(value)
+            for model, optimizer, scheduler in run.updaters:
+                optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
+    return update_stats
+
+
+def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segmentation_stats: dict[str, float],
+                 advantages: torch.Tensor, returns: torch.Tensor | None, update_stats: dict[str, list[torch.Tensor]],
+                 clock: dict[str, float]) -> dict[str, float]:
+    """Stage 6: the step's metrics, reduced over processes (the one place a step reads values to the host)."""
+    mask = rollout.response_mask
+    # KL and entropy: sample estimates summed over each response's tokens, averaged over responses.
+    kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1).mean()
+    metrics = {
+        "objective/kl": kl,
+        "objective/entropy": torch.where(mask, -rollout.logprobs, 0.0).sum(1).mean(),
+        "objective/rm_score": rollout.scores.mean(),
+        "objective/response_length": mask.sum(1).float().mean(),
+        "objective/repetition": token_repetition(rollout.response_ids, mask).mean(),
+        **{name: torch.stack(values).mean() for name, values in update_stats.items()},
+        "val/advantage_l2": row_l2(advantages, mask),
+        "macro/mean_segment_length": mask.sum() / num_segments(segment_ids).sum(),
+        "time/generation": clock["generation"] - clock["start"],
+        "time/scoring": clock["scoring"] - clock["generation"],
+        "time/update": clock["update"] - clock["scoring"],
+        "time/step_seconds": _clock(run.accelerator.device) - clock["start"],
+    }
+    if returns is not None:
+        metrics["val/return_l2"] = row_l2(returns, mask)
+    metrics.update({f"macro/{name}": value for name, value in segmentation_stats.items()})
+    return reduce_metrics(metrics, run.accelerator)
+
+
 def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, policy=None, ref=None,
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
               reward_fn: RewardFn | None = None):
@@ -349,137 +517,27 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     if eos_token_id is None:
         eos_token_id = tokenizer.eos_token_id
 
-    engine = get_engine(config.rollout_engine)
+    run = PPORun(config, accelerator, tokenizer, policy, critic, ref, reward_model, reward_fn,
+                 get_engine(config.rollout_engine), updaters, prompt_texts, prompt_ids, plan, piece_size, eos_token_id)
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
-        step_start = _clock(device)
-
-        # ---- 1. rollout: the samples of one prompt are consecutive rows ------------------------
-        rows = [i for i in plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
-        query_ids, query_mask = pad_sequences([prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
-        query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
-        # One random stream per response, keyed by its row among all processes' rows: the samples do not
-        # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
-        first_row = accelerator.process_index * config.rollout_size
-        row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
-        for model, _, _ in updaters:
-            model.eval()  # generate with the KV cache (train mode with gradient checkpointing turns it off)
-        engine.sync_weights(accelerator.unwrap_model(policy))
-        with accelerator.autocast():
-            response_ids, response_mask, *sampled_logprobs = engine.generate(
-                query_ids, query_mask, row_seeds=row_seeds,
-                max_new_tokens=config.max_response_length,
-                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                return_logprobs=config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward)
-            generation_end = _clock(device)
-            batch = (query_ids, query_mask, response_ids, response_mask)
-            if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
-                for model, _, _ in updaters:
-                    model.train()
-                kept_logprobs = response_logprobs(policy, *batch, temperature=config.temperature)
-                kept_values = response_values(critic, *batch) if critic is not None else None
-                trained_outputs = dict(logprobs=kept_logprobs, values=kept_values)
-            elif sampled_logprobs:
-                trained_outputs = dict(logprobs=sampled_logprobs[0], critic=critic)
-            else:
-                trained_outputs = dict(policy=policy, critic=critic)
-            rollout = score_responses(
-                *batch, ref=ref, temperature=config.temperature, reward_model=reward_model, reward_fn=reward_fn,
-                prompts=[prompt_texts[i] for i in rows], tokenizer=tokenizer,
-                chunk_size=config.forward_batch_size or piece_size, **trained_outputs)
-        scoring_end = _clock(device)
+        clock = {"start": _clock(device)}
+        rollout, kept = make_experience(run, step, clock)  # 1. sample and score
         mask = rollout.response_mask
-
-        # ---- 2-4. rewards, macro actions, advantages --------------------------------------------
         scores = rollout.scores
         if config.rm_score_clip is not None:
             scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
-        rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)
-        segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)
-        # Batch statistics (baselines, whitening) are taken over the rows of all processes.
-        advantages, returns = get_estimator(config.advantage).fn(AdvantageBatch(
-            rewards, rollout.values, mask, segment_ids, config, gather_rows=lambda x: _gather_rows(accelerator, x),
-            own_rows=lambda x: _own_rows(accelerator, x, like=mask)))
-        if config.whiten_advantages:
-            all_advantages = whiten(_gather_rows(accelerator, advantages), _gather_rows(accelerator, mask))
-            advantages = _own_rows(accelerator, all_advantages, like=mask)
+        rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)  # 2.
+        segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)  # 3.
+        advantages, returns = estimate_advantages(run, rollout, rewards, segment_ids)  # 4.
+        update_stats = ppo_update(run, rollout, segment_ids, advantages, returns, kept)  # 5.
+        clock["update"] = _clock(device)
 
-        # ---- 5. PPO epochs over shuffled mini-batches ------------------------------------------
-        for model, _, _ in updaters:
-            model.train()
-        update_stats: dict[str, list[torch.Tensor]] = {}
-        for _ in range(config.ppo_epochs):
-            for mini_batch in torch.randperm(config.rollout_size).split(config.mini_batch_size):
-                mini_batch = mini_batch.to(device)
-                # The losses are token means per piece; weighting each by its share of the mini-batch's tokens
-                # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
-                # processes' gradients, hence the factor num_processes).
-                num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
-                num_policy_units = accelerator.reduce(policy_loss_units(
-                    mask[mini_batch], segment_ids[mini_batch], config.segment_weighting), reduction="sum")
-                # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
-                # a token sum, which does not depend on how the mini-batch is split.
-                pieces = [mini_batch[rows] for rows in length_sorted_chunks(
-                    rollout.query_mask[mini_batch], mask[mini_batch], piece_size)]
-                for piece_index, piece in enumerate(pieces):
-                    is_last_piece = piece_index == len(pieces) - 1
-                    weight = mask[piece].sum() * accelerator.num_processes / num_tokens
-                    policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting
-                                                      ) * accelerator.num_processes / num_policy_units
-                    inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
-                                          rollout.response_ids[piece], mask[piece])
-                    piece_mask = inputs[3]
-                    cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
-                    with accumulation_context(accelerator, policy, is_last_piece):
-                        logprobs = kept_logprobs[piece, cols] if config.reuses_rollout_forward else response_logprobs(
-                            policy, *inputs, temperature=config.temperature)
-                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
-                                                        advantages[piece, cols], piece_mask, segment_ids[piece, cols],
-                                                        config.clip_range, config.ratio_granularity,
-                                                        config.segment_weighting)
-                        accelerator.backward(pg_loss * policy_weight)
-                    stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
-                             "policy/approxkl": pg_stats["approxkl"]}
-                    if critic is not None:
-                        with accumulation_context(accelerator, critic, is_last_piece):
-                            values = kept_values[piece, cols] if config.reuses_rollout_forward else response_values(
-                                critic, *inputs)
-                            vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
-                                                           piece_mask, segment_ids[piece, cols],
-                                                           config.value_clip_range, config.value_weighting)
-                            accelerator.backward(vf_loss * weight)
-                        stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
-                    for name, value in stats.items():
-                        update_stats.setdefault(name, []).append(value)
-                for model, optimizer, scheduler in updaters:
-                    optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
-        update_end = _clock(device)
-
-        # ---- 6. metrics and checkpoint ---------------------------------------------------------
-        done = step + 1
+        done = step + 1  # 6. metrics and checkpoint
         if done % config.logging_steps == 0 or done == plan.total_steps:
-            # KL and entropy: sample estimates summed over each response's tokens, averaged over responses.
-            kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1).mean()
-            metrics = {
-                "objective/kl": kl,
-                "objective/entropy": torch.where(mask, -rollout.logprobs, 0.0).sum(1).mean(),
-                "objective/rm_score": rollout.scores.mean(),
-                "objective/response_length": mask.sum(1).float().mean(),
-                "objective/repetition": token_repetition(rollout.response_ids, mask).mean(),
-                **{name: torch.stack(values).mean() for name, values in update_stats.items()},
-                "val/advantage_l2": row_l2(advantages, mask),
-                "macro/mean_segment_length": mask.sum() / num_segments(segment_ids).sum(),
-                "time/generation": generation_end - step_start,
-                "time/scoring": scoring_end - generation_end,
-                "time/update": update_end - scoring_end,
-                "time/step_seconds": _clock(device) - step_start,
-            }
-            if critic is not None:
-                metrics["val/return_l2"] = row_l2(returns, mask)
-            metrics.update({f"macro/{name}": value for name, value in segmentation_stats.items()})
-            metrics = reduce_metrics(metrics, accelerator)
+            metrics = step_metrics(run, rollout, segment_ids, segmentation_stats, advantages, returns, update_stats,
+                                   clock)
             logger.log(metrics, done)
             progress.set_postfix(reward=f"{metrics['objective/rm_score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
