@@ -270,6 +270,15 @@ def _gold_at_kl(kl: np.ndarray, gold: np.ndarray, target_kl: float) -> float:
     return float(gold[i - 1] + frac * (gold[i] - gold[i - 1]))
 
 
+def _merits(gold: np.ndarray, kl: np.ndarray, final: np.ndarray, target: float,
+            matched_kl: float) -> dict[str, float]:
+    """Figures of merit of one cell from its runs' curves ([seeds, steps]) and final held-out gold ([seeds])."""
+    mean_gold, mean_kl = _smooth(gold, SMOOTHING).mean(0), _smooth(kl, SMOOTHING).mean(0)
+    return {"steps_to_80": _first_reaching(mean_gold, target), "auc": float(gold.mean()),
+            "final_held_out_gold": float(final.mean()),
+            "gold_at_matched_kl": _gold_at_kl(mean_kl, mean_gold, matched_kl), "final_kl": float(mean_kl[-1])}
+
+
 def _interval(values_by_sample: np.ndarray) -> tuple[float, float]:
     finite = values_by_sample[np.isfinite(values_by_sample)]
     if finite.size < 0.5 * values_by_sample.size:  # mostly undefined (never reached): no interval
@@ -311,22 +320,16 @@ def summarize(results: Path, cells: dict[tuple[str, str, str], tuple[int, ...]])
         matched_kl = float(_smooth(kl[BASELINE_CELL], SMOOTHING).mean(0)[-1]) if BASELINE_CELL in kl else math.nan
         ppo_steps = math.nan
 
-        def merits(g: np.ndarray, k: np.ndarray, final: np.ndarray) -> dict[str, float]:
-            mean_g, mean_k = _smooth(g, SMOOTHING).mean(0), _smooth(k, SMOOTHING).mean(0)
-            return {"steps_to_80": _first_reaching(mean_g, target), "auc": float(g.mean()),
-                    "final_held_out_gold": float(final.mean()),
-                    "gold_at_matched_kl": _gold_at_kl(mean_k, mean_g, matched_kl), "final_kl": float(mean_k[-1])}
-
         order = sorted(group_cells, key=_cell_sort_key)
         for cell in order:
             rs = group_cells[cell]
             g, k = gold[cell], kl[cell]
             final = np.array([r["held_out"]["gold_reward"] for r in rs])
-            point = merits(g, k, final)
+            point = _merits(g, k, final, target, matched_kl)
             samples = {name: [] for name in point}
             for _ in range(BOOTSTRAP):
                 pick = rng.integers(0, len(rs), len(rs))
-                for name, value in merits(g[pick], k[pick], final[pick]).items():
+                for name, value in _merits(g[pick], k[pick], final[pick], target, matched_kl).items():
                     samples[name].append(value)
             entry = {"seeds": sorted(r["seed"] for r in rs), **point,
                      **{f"{name}_ci": _interval(np.array(v)) for name, v in samples.items()},

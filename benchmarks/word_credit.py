@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             scores = task.word_scores(text)
             row = ids[b].tolist()
             ends = [t for t in range(len(row)) if row[t] >= 0 and (t + 1 == len(row) or row[t + 1] != row[t])]
-            word_ends = [t for t in ends if not response_ids[b, t].item() in tokenizer.all_special_ids]
+            word_ends = [t for t in ends if response_ids[b, t].item() not in tokenizer.all_special_ids]
             for score, t in zip(scores, word_ends):
                 credit[b, t] = scale * score
         return credit
@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     critic.train()
     for epoch in range(arguments.epochs):
-        total = 0.0
         for i in np.random.default_rng(epoch).permutation(train):
             values = response_values(critic, *batches[i])
             mask = batches[i][3]
@@ -107,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total += loss.item()
     critic.eval()
 
     # ---- the oracle critic: word-prefix means of the word scores ----------------------------------------
