@@ -25,6 +25,22 @@ from marlhf.segments import num_segments, segment_lengths, segment_mean, segment
 __all__ = ["policy_loss", "policy_loss_units", "value_loss", "bradley_terry_loss", "dpo_loss"]
 
 SegmentWeighting = Literal["tokens", "uniform", "geometric"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # verl's loss_agg_mode names
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _aggregate(token_weighted: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, divisor: torch.Tensor) -> torch.Tensor:
+    """Sum of a [B, S] tensor of per-unit losses already weighted by their token counts, aggregated as
+    `loss_agg_mode`: token-mean divides by `divisor`; seq-mean-token-sum averages each response's sum over
+    the responses with tokens; seq-mean-token-mean averages each response's token mean over them (the
+    released runs: batch size 1 with accumulation)."""
+    if loss_agg_mode == "token-mean":
+        return token_weighted.sum() / divisor.clamp(min=1)
+    rows = mask.any(dim=1)
+    per_row = token_weighted.sum(dim=1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        per_row = per_row / mask.sum(dim=1).clamp(min=1)
+    return torch.where(rows, per_row, 0.0).sum() / rows.sum().clamp(min=1)
 
 # exp(20) ~ 4.9e8: a long segment's summed log-ratio is clamped before exp so it cannot overflow.
 MAX_LOG_RATIO = 20.0
@@ -39,6 +55,7 @@ def policy_loss(
     clip: float = 0.2,
     ratio_granularity: Literal["macro", "token"] = "macro",
     segment_weighting: SegmentWeighting = "tokens",
+    loss_agg_mode: LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate at token or macro-action granularity.
 
@@ -57,6 +74,9 @@ def policy_loss(
             paper's expectation); "geometric" uses the segment ratio exp(mean_t log-ratio), the geometric
             mean of its token ratios (GSPO's for sequences), weighted by token count, so a token's gradient
             at ratio 1 equals the token-level one. The divisor is :func:`policy_loss_units`.
+        loss_agg_mode: verl's names; "token-mean" (one mean over the batch's tokens), "seq-mean-token-mean"
+            (each response's token mean, averaged over responses: the released runs) or "seq-mean-token-sum".
+            The seq-mean modes need segment_weighting="tokens".
     Returns:
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
@@ -73,6 +93,7 @@ def policy_loss(
         raise ValueError(f"`segment_weighting` must be 'tokens', 'uniform' or 'geometric', got {segment_weighting!r}")
     if segment_weighting != "tokens" and ratio_granularity == "token":
         raise ValueError("`segment_weighting` other than 'tokens' needs ratio_granularity='macro'")
+    _check_aggregation(loss_agg_mode, segment_weighting)
 
     zeros = torch.zeros_like(logprobs)
     log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
@@ -96,7 +117,8 @@ def policy_loss(
     surrogate = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
     per_unit = torch.maximum(surrogate, clipped)
-    loss = (per_unit * weights).sum() / policy_loss_units(mask, segment_ids, segment_weighting).clamp(min=1)
+    loss = _aggregate(per_unit * weights, mask, loss_agg_mode,
+                      policy_loss_units(mask, segment_ids, segment_weighting, loss_agg_mode))
 
     with torch.no_grad():
         stats = {
@@ -108,11 +130,22 @@ def policy_loss(
     return loss, stats
 
 
+def _check_aggregation(loss_agg_mode: str, segment_weighting: str = "tokens") -> None:
+    if loss_agg_mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"`loss_agg_mode` must be one of {list(LOSS_AGGREGATIONS)}, got {loss_agg_mode!r}")
+    if loss_agg_mode != "token-mean" and segment_weighting != "tokens":
+        raise ValueError("`loss_agg_mode` other than 'token-mean' needs segment_weighting='tokens'")
+
+
 def policy_loss_units(mask: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                      segment_weighting: SegmentWeighting = "tokens") -> torch.Tensor:
-    """What :func:`policy_loss` averages over: the number of segments with ``segment_weighting="uniform"``,
-    else the number of masked tokens (0-dim long). A loss over several pieces of a batch is their sum,
-    each weighted by its share of the batch's units."""
+                      segment_weighting: SegmentWeighting = "tokens",
+                      loss_agg_mode: LossAggregation = "token-mean") -> torch.Tensor:
+    """What :func:`policy_loss` (and :func:`value_loss`, with the default weighting) averages over: the
+    responses with tokens for the seq-mean modes, the number of segments with ``segment_weighting="uniform"``,
+    else the number of masked tokens (0-dim long). A loss over several pieces of a batch is their sum, each
+    weighted by its share of the batch's units."""
+    if loss_agg_mode != "token-mean":
+        return mask.any(dim=1).sum()
     if segment_weighting == "uniform" and segment_ids is not None:
         return num_segments(segment_ids).sum()
     return mask.sum()
@@ -126,12 +159,15 @@ def value_loss(
     segment_ids: torch.Tensor | None = None,
     clip: float | None = None,
     value_weighting: ValueWeighting = "equal",
+    loss_agg_mode: LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss ``0.5 * max((V - Q)^2, (V_clipped - Q)^2)`` (unclipped when ``clip`` is None).
 
     With segments, the predicted value of segment tau is the weighted sum of its token values
     (same weighting as in macro_gae) and is regressed to Q_tau; each segment is weighted by its
-    token count and the sum divided by the number of masked tokens.
+    token count and the sum divided by the number of masked tokens (``loss_agg_mode`` as in
+    :func:`policy_loss`). Without segments (``segment_ids=None``) every token's value is regressed to its
+    return: with returns constant within a segment, that is the released code's per-token critic loss.
 
     Args:
         values: float [B, T], current critic values (with grad).
@@ -148,6 +184,7 @@ def value_loss(
     check_like(returns, mask, "returns")
     if clip is not None and not clip > 0:
         raise ValueError(f"`clip` must be > 0 or None, got {clip}")
+    _check_aggregation(loss_agg_mode)
 
     if segment_ids is None:
         units, weights = mask, mask.to(values.dtype)
@@ -170,7 +207,7 @@ def value_loss(
         squared_clipped = (clipped_values - returns) ** 2
         per_unit = torch.maximum(squared, squared_clipped)
         clipfrac = masked_mean((squared_clipped > squared).float(), units).detach()
-    loss = 0.5 * (per_unit * weights).sum() / mask.sum().clamp(min=1)
+    loss = 0.5 * _aggregate(per_unit * weights, mask, loss_agg_mode, mask.sum())
     return loss, {"vf_clipfrac": clipfrac}
 
 

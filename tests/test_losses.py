@@ -249,3 +249,57 @@ def test_logsigmoid_form_is_stable():
     big = torch.tensor([1e4])
     loss, _ = bradley_terry_loss(-big, big)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(-2e4)).item())
+
+
+def test_released_per_token_critic_loss_on_the_issue_example():
+    """values [0, 1, 2], segments [0, 0, 1], returns [0.5, 0.5, 2]: the released code regresses each token's value
+    to its segment's return (0.0833, gradient [-1/6, 1/6, 0]); the paper's segment value (mean 0.5) is exact."""
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    ids = torch.tensor([[0, 0, 1]])
+    returns = torch.tensor([[0.5, 0.5, 2.0]], dtype=torch.double)
+    values = torch.tensor([[0.0, 1.0, 2.0]], dtype=torch.double, requires_grad=True)
+    per_token, _ = value_loss(values, values.detach(), returns, mask, None)  # the trainer's "token" granularity
+    released = 0.5 * ((values - returns) ** 2).mean()  # transcription: per-token squared error, token mean
+    assert per_token.item() == pytest.approx(released.item()) == pytest.approx(1 / 12)
+    (grad,) = torch.autograd.grad(per_token, values)
+    assert grad[0].tolist() == pytest.approx([-1 / 6, 1 / 6, 0.0])
+    segment, _ = value_loss(values, values.detach(), returns, mask, ids)
+    assert segment.item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_loss_aggregation_modes_match_transcriptions(mode):
+    """verl's loss_agg_mode, written out per response; with one token per segment the policy loss is verl's."""
+    mask, old, new, rewards, values, g = _rollout(5, spread=0.5)
+    ids = fixed_ngram(mask, 1)
+    adv, returns = macro_gae(rewards, values, mask, ids)
+    loss, _ = policy_loss(new, old, adv, mask, ids, loss_agg_mode=mode)
+    ratio = torch.exp(new - old)
+    per_token = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    rows = [(per_token[b][mask[b]]) for b in range(mask.shape[0]) if mask[b].any()]
+    expected = {"token-mean": per_token[mask].mean(),
+                "seq-mean-token-mean": torch.stack([r.mean() for r in rows]).mean(),
+                "seq-mean-token-sum": torch.stack([r.sum() for r in rows]).mean()}[mode]
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    v_loss, _ = value_loss(values, values, returns, mask, None, loss_agg_mode=mode)
+    squared = 0.5 * (values - returns) ** 2
+    rows = [squared[b][mask[b]] for b in range(mask.shape[0]) if mask[b].any()]
+    expected = {"token-mean": squared[mask].mean(), "seq-mean-token-mean": torch.stack([r.mean() for r in rows]).mean(),
+                "seq-mean-token-sum": torch.stack([r.sum() for r in rows]).mean()}[mode]
+    assert v_loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert policy_loss_units(mask, ids, "tokens", mode).item() == (
+        int(mask.sum()) if mode == "token-mean" else int(mask.any(1).sum()))
+
+
+def test_released_aggregation_on_the_issue_example():
+    """Responses of 1 and 3 tokens, advantages [1] and [0, 0, 0], ratio 1: released -0.5, token mean -0.25."""
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    zeros = torch.zeros(2, 3, dtype=torch.double)
+    adv = torch.tensor([[1.0, 0, 0], [0, 0, 0]], dtype=torch.double)
+    assert policy_loss(zeros, zeros, adv, mask, fixed_ngram(mask, 1))[0].item() == pytest.approx(-0.25)
+    released = policy_loss(zeros, zeros, adv, mask, fixed_ngram(mask, 1), loss_agg_mode="seq-mean-token-mean")[0]
+    assert released.item() == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        policy_loss(zeros, zeros, adv, mask, None, loss_agg_mode="seq-mean")
+    with pytest.raises(ValueError, match="segment_weighting"):
+        policy_loss(zeros, zeros, adv, mask, None, segment_weighting="uniform", loss_agg_mode="seq-mean-token-sum")

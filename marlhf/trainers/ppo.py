@@ -151,6 +151,16 @@ class PPOConfig(TrainingConfig):
                   "of the token ratios (geometric, GSPO's length-normalised ratio)")
     value_clip_range: float | None = option(
         0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
+    value_loss_granularity: Literal["segment", "token"] = option(
+        "segment", "critic loss: each macro action's weighted value regressed to its return (paper), or each "
+                   "token's value regressed to its macro action's return (released code)")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = option(
+        "token-mean", "how policy and value losses are averaged (verl's names): one mean over the mini-batch's "
+                      "tokens, or over responses of each response's token mean (the released runs: batch size 1 "
+                      "with accumulation) or token sum")
+    logprob_temperature: Literal["sampling", "raw"] = option(
+        "sampling", "log-probs for the ratio, the KL penalty and the perplexity rule from logits / temperature "
+                    "(the distribution sampled from) or from raw logits (the released code)")
 
     # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
     use_lora: bool = option(
@@ -158,14 +168,15 @@ class PPOConfig(TrainingConfig):
                "(no second copy); the final policy is saved merged")
 
     HELP_SECTIONS = {
-        "sampling": ("rollout_engine", "rollout_logprobs", "forward_batch_size", "max_prompt_length",
+        "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size", "max_prompt_length",
                      "max_response_length", "max_length", "temperature", "top_k", "top_p"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
         "rewards and advantages": ("reward", "advantage", "num_samples_per_prompt", "grpo_normalize_std", "kl_coef",
                                    "rm_score_clip", "gamma", "lam", "value_weighting", "segment_reward",
                                    "whiten_advantages"),
-        "losses": ("clip_range", "ratio_granularity", "segment_weighting", "value_clip_range"),
+        "losses": ("clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
+                   "value_loss_granularity"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
 
@@ -186,6 +197,11 @@ class PPOConfig(TrainingConfig):
             raise ValueError(f"rollout_engine must be one of {sorted(ENGINES)}, got {self.rollout_engine!r}")
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
+        if self.loss_agg_mode != "token-mean" and self.segment_weighting != "tokens":
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} needs segment_weighting='tokens'")
+        if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
+            raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
+                             "log-probs are under logits / temperature)")
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
                              f"mini_batch_size ({self.mini_batch_size})")
@@ -194,6 +210,11 @@ class PPOConfig(TrainingConfig):
     def rollout_size(self) -> int:
         """Responses sampled per PPO step on each process."""
         return self.per_device_batch_size * self.num_samples_per_prompt
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are taken at (ratio, KL penalty, perplexity rule)."""
+        return self.temperature if self.logprob_temperature == "sampling" else 1.0
 
     @property
     def uses_critic(self) -> bool:
@@ -333,7 +354,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
         batch = (query_ids, query_mask, response_ids, response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
-            kept = (response_logprobs(run.policy, *batch, temperature=config.temperature),
+            kept = (response_logprobs(run.policy, *batch, temperature=config.scoring_temperature),
                     response_values(run.critic, *batch) if run.critic is not None else None)
             trained_outputs = dict(logprobs=kept[0], values=kept[1])
         elif sampled_logprobs:
@@ -341,7 +362,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
         else:
             trained_outputs = dict(policy=run.policy, critic=run.critic)
         rollout = score_responses(
-            *batch, ref=run.ref, temperature=config.temperature, reward_model=run.reward_model,
+            *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
             reward_fn=run.reward_fn, prompts=[run.prompt_texts[i] for i in rows], tokenizer=tokenizer,
             chunk_size=config.forward_batch_size or run.piece_size, **trained_outputs)
     clock["scoring"] = _clock(device)
@@ -374,42 +395,46 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
     for _ in range(config.ppo_epochs):
         for mini_batch in torch.randperm(config.rollout_size).split(config.mini_batch_size):
             mini_batch = mini_batch.to(accelerator.device)
-            # The losses are token means per piece; weighting each by its share of the mini-batch's tokens
-            # on all processes makes the update a token mean over the whole mini-batch (DDP averages the
-            # processes' gradients, hence the factor num_processes).
-            num_tokens = accelerator.reduce(mask[mini_batch].sum(), reduction="sum")
+            # The losses are means per piece (over tokens, or segments or responses: policy_loss_units); weighting
+            # each by its share of the mini-batch's units on all processes makes the update one mean over the
+            # whole mini-batch (DDP averages the processes' gradients, hence the factor num_processes).
+            num_value_units = accelerator.reduce(policy_loss_units(
+                mask[mini_batch], None, "tokens", config.loss_agg_mode), reduction="sum")
             num_policy_units = accelerator.reduce(policy_loss_units(
-                mask[mini_batch], segment_ids[mini_batch], config.segment_weighting), reduction="sum")
+                mask[mini_batch], segment_ids[mini_batch], config.segment_weighting, config.loss_agg_mode),
+                reduction="sum")
             # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
             # a token sum, which does not depend on how the mini-batch is split.
             pieces = [mini_batch[rows] for rows in length_sorted_chunks(
                 rollout.query_mask[mini_batch], mask[mini_batch], run.piece_size)]
             for piece_index, piece in enumerate(pieces):
                 is_last_piece = piece_index == len(pieces) - 1
-                weight = mask[piece].sum() * accelerator.num_processes / num_tokens
-                policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting
-                                                  ) * accelerator.num_processes / num_policy_units
+                value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
+                                                 ) * accelerator.num_processes / num_value_units
+                policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting,
+                                                  config.loss_agg_mode) * accelerator.num_processes / num_policy_units
                 inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
                                       rollout.response_ids[piece], mask[piece])
                 piece_mask = inputs[3]
                 cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
                 with accumulation_context(accelerator, policy, is_last_piece):
                     logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
-                        policy, *inputs, temperature=config.temperature)
+                        policy, *inputs, temperature=config.scoring_temperature)
                     pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
                                                     advantages[piece, cols], piece_mask, segment_ids[piece, cols],
                                                     config.clip_range, config.ratio_granularity,
-                                                    config.segment_weighting)
+                                                    config.segment_weighting, config.loss_agg_mode)
                     accelerator.backward(pg_loss * policy_weight)
                 stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
                          "policy/approxkl": pg_stats["approxkl"]}
                 if critic is not None:
                     with accumulation_context(accelerator, critic, is_last_piece):
                         values = kept[1][piece, cols] if kept is not None else response_values(critic, *inputs)
+                        value_segments = segment_ids[piece, cols] if config.value_loss_granularity == "segment" else None
                         vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
-                                                       piece_mask, segment_ids[piece, cols],
-                                                       config.value_clip_range, config.value_weighting)
-                        accelerator.backward(vf_loss * weight)
+                                                       piece_mask, value_segments, config.value_clip_range,
+                                                       config.value_weighting, config.loss_agg_mode)
+                        accelerator.backward(vf_loss * value_weight)
                     stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
                 for name, value in stats.items():
                     update_stats.setdefault(name, []).append(value)

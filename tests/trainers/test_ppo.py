@@ -176,8 +176,10 @@ def test_sampling_pass_logprobs_save_a_forward_and_train_alike(tmp_path, make_ti
         assert mine["objective/kl"] == pytest.approx(theirs["objective/kl"], abs=1e-4)
 
 
-@pytest.mark.parametrize("weighting", [{}, dict(segment_weighting="uniform", termination="word",
-                                                 value_weighting="first")], ids=["tokens", "uniform-word"])
+@pytest.mark.parametrize("weighting", [
+    {}, dict(segment_weighting="uniform", termination="word", value_weighting="first"),
+    dict(loss_agg_mode="seq-mean-token-mean", value_loss_granularity="token", ngram=3),
+], ids=["tokens", "uniform-word", "released-aggregation"])
 def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
                                                                  weighting):
     """Rows scored and updated in small length-sorted pieces with their padding cut train like one piece (with
@@ -202,6 +204,26 @@ def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_t
         assert {k: mine[k] for k in batch_level} == pytest.approx(batch_level, rel=1e-5, abs=1e-6)
 
 
+def test_raw_logits_convention_scores_at_temperature_one(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
+    """logprob_temperature='raw' (the released code): ratio, KL and perplexity log-probs from raw logits, while
+    sampling keeps the temperature."""
+    seen = []
+    original = ppo.response_logprobs
+
+    def spy(*args, temperature, **kwargs):
+        seen.append(temperature)
+        return original(*args, temperature=temperature, **kwargs)
+
+    monkeypatch.setattr(ppo, "response_logprobs", spy)
+    monkeypatch.setattr("marlhf.rollout.response_logprobs", spy)
+    config = _config(tmp_path, temperature=0.7, logprob_temperature="raw", mini_batch_size=2, max_steps=1)
+    assert config.scoring_temperature == 1.0 and _config(tmp_path, temperature=0.7).scoring_temperature == 0.7
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    assert seen and set(seen) == {1.0}
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        _config(tmp_path, logprob_temperature="raw", rollout_logprobs="sampling")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="num_samples_per_prompt"):
         PPOConfig(advantage="rloo")
@@ -215,6 +237,8 @@ def test_config_validation():
         PPOConfig(ngram=0)
     with pytest.raises(ValueError, match="segment_weighting"):
         PPOConfig(segment_weighting="uniform", ratio_granularity="token")
+    with pytest.raises(ValueError, match="segment_weighting"):
+        PPOConfig(segment_weighting="uniform", loss_agg_mode="seq-mean-token-mean")
     defaults = PPOConfig()
     assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
         0.2, 1.0, 0.95, 0.05, 1)
