@@ -32,7 +32,7 @@ from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
 from marlhf.modeling import pad_sequences
 from marlhf.rollout import generate_responses
-from marlhf.trainers.common import collate_prompt_response, encode_prompt_response
+from marlhf.trainers.common import collate_prompt_response, encode_prompt_response, prompt_token_ids
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -86,9 +86,10 @@ def generate_texts(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *
                    batch_size: int = 16, max_prompt_length: int = 512, max_new_tokens: int = 512,
                    temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0) -> list[list[str]]:
     """`samples_per_prompt` sampled responses (decoded, special tokens removed) for each prompt. Prompts
-    keep their last `max_prompt_length` tokens. Sampling uses torch's global RNG: seed it first."""
+    keep their last `max_prompt_length` tokens and a leading `<bos>`. Sampling uses torch's global RNG: seed it
+    first."""
     device = next(policy.parameters()).device
-    prompt_ids = [tokenizer(p)["input_ids"][-max_prompt_length:] for p in prompts]
+    prompt_ids = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
     rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
     texts: list[str] = []
     for start in tqdm(range(0, len(rows), batch_size), desc="generate", disable=None, leave=False):

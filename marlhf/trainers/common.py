@@ -13,6 +13,7 @@ API:
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
     save_final_model(model, tokenizer, directory, accelerator)
     encode_prompt_response(tokenizer, prompt, response, max_prompt_length, max_length) -> (token ids, prompt length)
+    prompt_token_ids(tokenizer, prompt, max_prompt_length)  # left-truncated, the leading <bos> kept
     collate_prompt_response(examples, pad_token_id, device) -> {"input_ids", "attention_mask", "response_mask"}
     require_fields(records, ("prompt", "response"), "sft")   # ValueError naming the record and field
     accumulation_context(accelerator, model, is_last_micro_batch)
@@ -156,14 +157,26 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, tot
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 
+def prompt_token_ids(tokenizer, prompt: str, max_prompt_length: int) -> list[int]:
+    """The prompt's token ids, its LAST max_prompt_length of them when it is longer (the instruction
+    usually ends it), with the special tokens the tokenizer puts in front (Gemma's and Llama's `<bos>`) kept."""
+    ids = tokenizer(prompt)["input_ids"]
+    if len(ids) <= max_prompt_length:
+        return ids
+    prefix = tokenizer("")["input_ids"]  # what the tokenizer adds in front of any text
+    if prefix and ids[:len(prefix)] == prefix and len(prefix) < max_prompt_length:
+        return prefix + ids[len(prefix):][len(ids) - max_prompt_length:]
+    return ids[-max_prompt_length:]
+
+
 def encode_prompt_response(tokenizer, prompt: str, response: str, max_prompt_length: int,
                            max_length: int) -> tuple[list[int], int]:
     """Token ids of prompt + response + EOS and the prompt's length in tokens.
 
-    The prompt keeps its LAST max_prompt_length tokens (the instruction usually ends it); the response
-    is cut to fit max_length.
+    The prompt keeps its LAST max_prompt_length tokens and its leading special tokens (prompt_token_ids);
+    the response is cut to fit max_length.
     """
-    prompt_ids = tokenizer(prompt)["input_ids"][-max_prompt_length:]
+    prompt_ids = prompt_token_ids(tokenizer, prompt, max_prompt_length)
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     response_ids = response_ids[:max_length - len(prompt_ids)]
     return prompt_ids + response_ids, len(prompt_ids)

@@ -173,3 +173,27 @@ def test_warmup_steps_override_the_ratio_for_every_schedule():
     assert learning_rates("constant", warmup_steps=2) == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="warmup_steps"):
         SFTConfig(warmup_steps=-1)
+
+
+def test_long_prompts_keep_their_leading_bos():
+    """Left truncation keeps the special tokens a tokenizer puts in front (Gemma's <bos>), then the last tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from marlhf.trainers.common import encode_prompt_response, prompt_token_ids
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate("abcdefgh")}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>")
+    prompt = "a b c d e f"
+    assert tokenizer(prompt)["input_ids"] == [0, 3, 4, 5, 6, 7, 8]
+    assert prompt_token_ids(tokenizer, prompt, 4) == [0, 6, 7, 8]  # <bos> + the last 3 tokens
+    assert prompt_token_ids(tokenizer, prompt, 7) == [0, 3, 4, 5, 6, 7, 8]  # short enough: unchanged
+    assert prompt_token_ids(tokenizer, prompt, 1) == [8]  # no room for the prefix: the last token only
+    ids, prompt_length = encode_prompt_response(tokenizer, prompt, "g h", max_prompt_length=3, max_length=8)
+    assert ids == [0, 7, 8, 9, 10, 1] and prompt_length == 3
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+    plain.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert prompt_token_ids(plain, prompt, 2) == [7, 8]  # no special prefix: plain left truncation
