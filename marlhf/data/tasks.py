@@ -16,9 +16,12 @@ Raw schemas (as stored on the Hugging Face Hub):
   (introductory/interview/competition), ``url``, ``starter_code``. Splits ``train`` and ``test``; some rows
   have empty ``solutions`` or ``input_output``.
 
-Rows that cannot make a record (a missing or empty field, a WebGPT tie, a pair whose two responses are
-identical, an APPS problem without solutions for SFT or without unit tests for RL) raise `SkipRow`; the
-loader skips them, counts them per reason and logs the counts.
+Rows that cannot make a record of the stage asked for raise `SkipRow`; the loader skips them, counts them
+per reason and logs the counts. A stage checks only what it uses: RL and evaluation need the prompt (the
+evaluation record keeps the preferred response as `reference` when there is one, else None), SFT the
+preferred response, reward modelling both responses, different from each other; APPS SFT needs a solution
+and APPS RL unit tests. WebGPT ties (equal scores) keep `answer_0` as the preferred one, as the authors'
+code does (its `>=`).
 """
 
 from __future__ import annotations
@@ -69,17 +72,23 @@ def text_field(value: Any, name: str) -> str:
     return value
 
 
-def preference_to_stage(prompt: str, chosen: str, rejected: str, stage: str) -> dict[str, Any]:
-    """The stage record of one preference pair; the evaluation record keeps the preferred response as ``reference``."""
-    if chosen.strip() == rejected.strip():
-        raise SkipRow("chosen and rejected identical")
-    if stage == "sft":
-        return {"prompt": prompt, "response": chosen}
-    if stage == "rm":
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+def preference_to_stage(prompt: str, chosen: Callable[[], str], rejected: Callable[[], str],
+                        stage: str) -> dict[str, Any]:
+    """The stage record of one preference pair. `chosen()` and `rejected()` give the responses, raising SkipRow
+    when the row's one is unusable; only the stages that use a response call for it."""
     if stage == "rl":
         return {"prompt": prompt}
-    return {"prompt": prompt, "reference": chosen}
+    if stage == "eval":
+        try:
+            return {"prompt": prompt, "reference": chosen()}
+        except SkipRow:
+            return {"prompt": prompt, "reference": None}
+    if stage == "sft":
+        return {"prompt": prompt, "response": chosen()}
+    chosen, rejected = chosen(), rejected()
+    if chosen.strip() == rejected.strip():
+        raise SkipRow("chosen and rejected identical")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
 TLDR_PROMPT = "POST\nSubreddit: r/{subreddit}\n{post}\nTL;DR: "
@@ -92,23 +101,25 @@ def tldr_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
         raise SkipRow("missing info")
     post = text_field(info.get("post"), "info.post")
     subreddit = text_field(info.get("subreddit"), "info.subreddit")
-    summaries = row.get("summaries")
-    if not isinstance(summaries, list) or len(summaries) != 2:
-        raise SkipRow("summaries is not a list of two")
-    choice = row.get("choice")
-    if choice not in (0, 1):
-        raise SkipRow("choice not 0 or 1")
-    texts = [text_field((s or {}).get("text"), "summaries.text").strip() for s in summaries]
     prompt = TLDR_PROMPT.format(subreddit=subreddit.strip(), post=post.strip())
-    return preference_to_stage(prompt, texts[choice], texts[1 - choice], stage)
+
+    def summary(preferred: bool) -> str:
+        summaries = row.get("summaries")
+        if not isinstance(summaries, list) or len(summaries) != 2:
+            raise SkipRow("summaries is not a list of two")
+        choice = row.get("choice")
+        if choice not in (0, 1):
+            raise SkipRow("choice not 0 or 1")
+        return text_field((summaries[choice if preferred else 1 - choice] or {}).get("text"), "summaries.text").strip()
+
+    return preference_to_stage(prompt, lambda: summary(True), lambda: summary(False), stage)
 
 
 def hh_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
     """HH-RLHF row -> record; the prompt is the dialogue up to the final ``"Assistant:"``, kept verbatim."""
     prompt = text_field(row.get("prompt"), "prompt")
-    chosen = text_field(row.get("chosen"), "chosen")
-    rejected = text_field(row.get("rejected"), "rejected")
-    return preference_to_stage(prompt, chosen, rejected, stage)
+    return preference_to_stage(prompt, lambda: text_field(row.get("chosen"), "chosen"),
+                               lambda: text_field(row.get("rejected"), "rejected"), stage)
 
 
 WEBGPT_PROMPT = "\n\nHuman: {question}\n\nAssistant:"
@@ -118,20 +129,22 @@ CITATION = re.compile(r"\s*\[\d+(?:\s*[,\-–]\s*\d+)*\]")
 
 
 def webgpt_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
-    """WebGPT comparison -> record, in HH-RLHF's dialogue format; equal scores (ties) are skipped."""
+    """WebGPT comparison -> record, in HH-RLHF's dialogue format; a tie keeps answer_0 as the preferred one."""
     question = row.get("question")
     if not isinstance(question, dict):
         raise SkipRow("missing question")
     text = text_field(question.get("full_text"), "question.full_text")
-    answers = [CITATION.sub("", text_field(row.get(f"answer_{i}"), f"answer_{i}")).strip() for i in (0, 1)]
-    scores = [row.get("score_0"), row.get("score_1")]
-    if any(not isinstance(s, (int, float)) for s in scores):
-        raise SkipRow("missing score")
-    if scores[0] == scores[1]:
-        raise SkipRow("tied scores")
-    winner = 0 if scores[0] > scores[1] else 1
     prompt = WEBGPT_PROMPT.format(question=text.strip())
-    return preference_to_stage(prompt, " " + answers[winner], " " + answers[1 - winner], stage)
+
+    def answer(preferred: bool) -> str:
+        scores = [row.get("score_0"), row.get("score_1")]
+        if any(not isinstance(s, (int, float)) for s in scores):
+            raise SkipRow("missing score")
+        winner = 0 if scores[0] >= scores[1] else 1
+        index = winner if preferred else 1 - winner
+        return " " + CITATION.sub("", text_field(row.get(f"answer_{index}"), f"answer_{index}")).strip()
+
+    return preference_to_stage(prompt, lambda: answer(True), lambda: answer(False), stage)
 
 
 def apps_prompt(question: str, starter_code: str, call_based: bool) -> str:

@@ -122,10 +122,13 @@ def test_apps_records_carry_tests_for_rl_and_a_solution_for_sft():
     ("task", "stage", "expected_skips"),
     [
         ("tldr", "rm", {"missing info.post": 1, "empty summaries.text": 1}),
-        ("tldr", "rl", {"missing info.post": 1, "empty summaries.text": 1}),
-        ("tldr", "eval", {"missing info.post": 1, "empty summaries.text": 1, "duplicate prompt": 1}),
-        ("hh", "sft", {"empty chosen": 1, "missing rejected": 1, "chosen and rejected identical": 1}),
-        ("webgpt", "rm", {"tied scores": 1, "empty question.full_text": 1}),
+        ("tldr", "rl", {"missing info.post": 1}),  # RL needs only the prompt
+        ("tldr", "sft", {"missing info.post": 1}),  # the empty summary is the rejected one
+        ("tldr", "eval", {"missing info.post": 1, "duplicate prompt": 1}),
+        ("hh", "sft", {"empty chosen": 1}),  # SFT needs only the chosen response
+        ("hh", "rm", {"empty chosen": 1, "missing rejected": 1, "chosen and rejected identical": 1}),
+        ("hh", "rl", {}),
+        ("webgpt", "rm", {"empty question.full_text": 1}),  # the tie is kept, answer_0 preferred (the authors')
         ("apps", "sft", {"no solutions": 1, "empty question": 1}),
         ("apps", "rl", {"no unit tests": 1, "empty question": 1}),
     ],
@@ -140,9 +143,8 @@ def test_malformed_raw_rows_are_skipped_and_counted(task, stage, expected_skips)
 def test_skips_are_logged_with_counts(caplog):
     with caplog.at_level(logging.WARNING, logger="marlhf.data.loading"):
         load_records(raw_path("webgpt"), "eval", task="webgpt")
-        load_records(raw_path("hh"), "eval", task="hh")
-    assert "(hh, stage eval): skipped 3 rows" in caplog.text
-    assert "chosen and rejected identical: 1" in caplog.text
+        load_records(raw_path("hh"), "rm", task="hh")
+    assert "(hh, stage rm): skipped 1 rows (missing rejected: 1)" in caplog.text  # the rm part of the file
 
 
 @pytest.mark.parametrize("task", ["tldr", "hh", "webgpt", "apps"])
@@ -197,3 +199,19 @@ def test_hub_id_reads_the_right_split_and_matches_the_local_raw_file(monkeypatch
     records = load_records(hub_id, stage)
     assert calls == [(hub_id, {"split": split, **TASKS[task].hub_kwargs})]
     assert records == load_records(raw_path(task), stage, task=task)
+
+
+def test_stages_check_only_what_they_use_and_webgpt_ties_prefer_answer_0():
+    from marlhf.data.tasks import SkipRow, hh_to_record, webgpt_to_record
+
+    row = {"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " same", "rejected": " same"}
+    assert hh_to_record(row, "rl") == {"prompt": row["prompt"]}
+    assert hh_to_record(row, "sft")["response"] == " same"
+    assert hh_to_record({**row, "chosen": ""}, "eval") == {"prompt": row["prompt"], "reference": None}
+    with pytest.raises(SkipRow, match="identical"):
+        hh_to_record(row, "rm")
+    tie = {"question": {"full_text": "Why?"}, "answer_0": "Because [1].", "answer_1": "No.", "score_0": 0.0,
+           "score_1": 0.0}
+    assert webgpt_to_record(tie, "rm") == {"prompt": "\n\nHuman: Why?\n\nAssistant:", "chosen": " Because.",
+                                           "rejected": " No."}
+    assert webgpt_to_record({**tie, "score_1": 1.0}, "rm")["chosen"] == " No."
