@@ -398,8 +398,9 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
             # The losses are means per piece (over tokens, or segments or responses: policy_loss_units); weighting
             # each by its share of the mini-batch's units on all processes makes the update one mean over the
             # whole mini-batch (DDP averages the processes' gradients, hence the factor num_processes).
-            num_value_units = accelerator.reduce(policy_loss_units(
-                mask[mini_batch], None, "tokens", config.loss_agg_mode), reduction="sum")
+            if critic is not None:
+                num_value_units = accelerator.reduce(policy_loss_units(
+                    mask[mini_batch], None, "tokens", config.loss_agg_mode), reduction="sum")
             num_policy_units = accelerator.reduce(policy_loss_units(
                 mask[mini_batch], segment_ids[mini_batch], config.segment_weighting, config.loss_agg_mode),
                 reduction="sum")
@@ -409,8 +410,6 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                 rollout.query_mask[mini_batch], mask[mini_batch], run.piece_size)]
             for piece_index, piece in enumerate(pieces):
                 is_last_piece = piece_index == len(pieces) - 1
-                value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
-                                                 ) * accelerator.num_processes / num_value_units
                 policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting,
                                                   config.loss_agg_mode) * accelerator.num_processes / num_policy_units
                 inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
@@ -428,6 +427,8 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                 stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
                          "policy/approxkl": pg_stats["approxkl"]}
                 if critic is not None:
+                    value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
+                                                     ) * accelerator.num_processes / num_value_units
                     with accumulation_context(accelerator, critic, is_last_piece):
                         values = kept[1][piece, cols] if kept is not None else response_values(critic, *inputs)
                         value_segments = segment_ids[piece, cols] if config.value_loss_granularity == "segment" else None
