@@ -21,7 +21,7 @@ import time
 import torch
 
 from marlhf.modeling import pad_sequences
-from marlhf.rollout import forward_in_chunks, length_sorted_chunks, response_logprobs
+from marlhf.rollout import forward_in_chunks, length_sorted_chunks, response_logprobs, row_lengths
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     with torch.no_grad():  # both ways compute the same numbers
         torch.testing.assert_close(forward_in_chunks(logprobs, *batch, chunk_size=args.chunk),
                                    padded_chunks(logprobs, *batch, chunk_size=args.chunk), atol=1e-4, rtol=1e-4)
-    sorted_chunks = length_sorted_chunks(query_mask, response_mask, args.chunk)
+    sorted_chunks = length_sorted_chunks(*row_lengths(query_mask, response_mask), args.chunk)
     random_chunks = list(torch.randperm(args.batch).split(args.chunk))
     print(f"Llama ~5M params, {args.batch} rows, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, "
           f"responses {args.response_lengths[0]}-{args.response_lengths[1]}, chunks of {args.chunk}, CPU "

@@ -1,9 +1,35 @@
 """Input checks shared by the core math: a wrong shape or a NaN must stop with a ValueError
-naming the argument, never turn into a wrong number further down."""
+naming the argument, never turn into a wrong number further down.
+
+Checks of a tensor's values (right padding, finiteness, segment numbering) read it to the host, which on
+an accelerator waits for all queued work. A caller that checked its tensors once at its boundary runs the
+core functions inside `trusted_inputs()`, where only the free checks (type, dtype, shape) run: PPO checks
+a step's rollout, segments and advantages once, then updates on slices of them without a device read.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
+
+_TRUSTED = contextvars.ContextVar("marlhf_trusted_inputs", default=False)
+
+
+@contextlib.contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Skip the value checks (the ones that read tensors to the host) inside this block."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def _check_values() -> bool:
+    return not _TRUSTED.get()
 
 
 def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
@@ -13,7 +39,7 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
     if mask.dim() != 2:
         raise ValueError(f"`{name}` must have shape [B, T], got {tuple(mask.shape)}")
     # Right padding: once a row is False it stays False.
-    if mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+    if _check_values() and mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError(f"`{name}` must be right-padded (True on response tokens, then False)")
 
 
@@ -27,26 +53,33 @@ def check_like(x: torch.Tensor, mask: torch.Tensor, name: str, finite: bool = Tr
         raise ValueError(f"`{name}` must be a floating-point tensor, got {x.dtype}")
     # One reduction catches any NaN/inf (a sum that overflows only sends us to the exact test);
     # padding may hold anything, so the exact test looks at response tokens only.
-    if finite and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(torch.where(mask, x, 0.0)).all()):
+    if finite and _check_values() and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(torch.where(mask, x, 0.0)).all()):
         raise ValueError(f"`{name}` holds NaN or inf on response tokens")
 
 
 def check_finite_vector(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"`{name}` must be a 1-D floating tensor")
-    if not bool(torch.isfinite(x).all()):
+    if _check_values() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"`{name}` holds NaN or inf")
 
 
-def check_segment_ids(segment_ids: torch.Tensor, mask: torch.Tensor, name: str = "segment_ids") -> None:
+def check_segment_ids(segment_ids: torch.Tensor, mask: torch.Tensor, name: str = "segment_ids",
+                      num_slots: int | None = None) -> None:
     """Segments of a row are numbered 0, 1, 2, ... left to right, cover every masked token, and
-    padding holds -1."""
+    padding holds -1; `num_slots`, when given, is the largest number of segments of a row."""
     if not isinstance(segment_ids, torch.Tensor) or segment_ids.dtype != torch.long:
         raise ValueError(f"`{name}` must be a long tensor")
     if segment_ids.shape != mask.shape:
         raise ValueError(f"`{name}` has shape {tuple(segment_ids.shape)} but `mask` has {tuple(mask.shape)}")
+    if not _check_values():
+        return
     if bool(((segment_ids >= 0) != mask).any()) or (segment_ids.numel() and int(segment_ids.min()) < -1):
         raise ValueError(f"`{name}` must be >= 0 exactly on masked tokens and -1 on padding")
+    if num_slots is not None:
+        most = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+        if num_slots != most:
+            raise ValueError(f"`num_slots` is {num_slots} but the longest row of `{name}` has {most} segments")
     if mask.shape[1] == 0:
         return
     # Within a row, ids start at 0 and step by 0 or 1 (padding is already known to be -1).

@@ -161,6 +161,7 @@ def segment_weights(
         float [B, T], 0 on padding.
     """
     is_last = segment_last_token(segment_ids)
+    slots = segment_ids.shape[1]  # a row has at most T segments: enough slots without reading the ids
     if value_weighting == "equal":
         raw = mask.to(dtype)
     elif value_weighting == "unit":
@@ -169,12 +170,12 @@ def segment_weights(
         raw = segment_first_token(segment_ids).to(dtype)
     elif value_weighting == "position":
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(segment_ids)
-        last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids), segment_ids)
+        last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids, slots), segment_ids)
         remaining = (last_pos - positions + 1).clamp(min=1)  # |tau| - i
         raw = torch.where(mask, 1.0 / remaining.to(dtype), 0.0)
     else:
         raise ValueError(f"`value_weighting` must be 'equal', 'unit', 'position' or 'first', got {value_weighting!r}")
-    norm = broadcast_segments(segment_sum(raw, segment_ids), segment_ids)
+    norm = broadcast_segments(segment_sum(raw, segment_ids, slots), segment_ids)
     return torch.where(mask, raw / norm.clamp(min=1e-12), 0.0)
 
 

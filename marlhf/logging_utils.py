@@ -51,7 +51,7 @@ class MetricsLogger:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self._file is None:
             return
-        values = {name: _to_float(name, value) for name, value in metrics.items()}
+        values = {name: float(_checked_scalar(name, value)) for name, value in metrics.items()}
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
@@ -73,11 +73,11 @@ class MetricsLogger:
         self.close()
 
 
-def _to_float(name: str, value: Any) -> float:
+def _checked_scalar(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return value.item()
+        return value.reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise ValueError(f"metric {name!r} must be a number or a one-element tensor, got {type(value).__name__}")
@@ -89,11 +89,16 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, float]]:
 
 
 def reduce_metrics(stats: dict[str, Any], accelerator=None) -> dict[str, float]:
-    """Mean of each scalar metric over all processes (identity on one process)."""
+    """Mean of each scalar metric over all processes (identity on one process). The tensors are read to the
+    host together, in one device read."""
     if not stats:
         return {}
     names = list(stats)
-    values = torch.tensor([_to_float(name, stats[name]) for name in names], dtype=torch.float64)
+    scalars = [_checked_scalar(name, stats[name]) for name in names]
+    device = accelerator.device if accelerator is not None else next(
+        (x.device for x in scalars if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    values = torch.stack([x.to(device, torch.float64) if isinstance(x, torch.Tensor)
+                          else torch.tensor(x, dtype=torch.float64, device=device) for x in scalars])
     if accelerator is not None and accelerator.num_processes > 1:
-        values = accelerator.reduce(values.to(accelerator.device), reduction="mean").cpu()
+        values = accelerator.reduce(values, reduction="mean")
     return dict(zip(names, values.tolist()))

@@ -56,6 +56,7 @@ def policy_loss(
     ratio_granularity: Literal["macro", "token"] = "macro",
     segment_weighting: SegmentWeighting = "tokens",
     loss_agg_mode: LossAggregation = "token-mean",
+    num_slots: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate at token or macro-action granularity.
 
@@ -77,6 +78,8 @@ def policy_loss(
         loss_agg_mode: verl's names; "token-mean" (one mean over the batch's tokens), "seq-mean-token-mean"
             (each response's token mean, averaged over responses: the released runs) or "seq-mean-token-sum".
             The seq-mean modes need segment_weighting="tokens".
+        num_slots: the largest number of segments of a row, when the caller knows it on the host (saves the
+            device read of ``segment_ids.max()``).
     Returns:
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
@@ -102,8 +105,8 @@ def policy_loss(
         units = mask  # every token is its own unit
         weights = mask.to(logprobs.dtype)
     else:
-        check_segment_ids(segment_ids, mask)
-        lengths = segment_lengths(segment_ids)  # [B, S]
+        check_segment_ids(segment_ids, mask, num_slots=num_slots)
+        lengths = segment_lengths(segment_ids, num_slots)  # [B, S]
         weights, units = lengths.to(logprobs.dtype), lengths > 0
         log_ratio = segment_sum(log_ratio, segment_ids, lengths.shape[1])
         advantages = segment_mean(advantages, segment_ids, lengths)
@@ -160,6 +163,7 @@ def value_loss(
     clip: float | None = None,
     value_weighting: ValueWeighting = "equal",
     loss_agg_mode: LossAggregation = "token-mean",
+    num_slots: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss ``0.5 * max((V - Q)^2, (V_clipped - Q)^2)`` (unclipped when ``clip`` is None).
 
@@ -175,6 +179,7 @@ def value_loss(
         returns: float [B, T], GAE returns (constant within a segment).
         mask: bool [B, T]; segment_ids: long [B, T] or None.
         clip: value clip range around old values, or None.
+        num_slots: as in :func:`policy_loss`.
     Returns:
         loss, stats with vf_clipfrac.
     """
@@ -191,8 +196,8 @@ def value_loss(
         zeros = torch.zeros_like(values)
         values, old_values, returns = (torch.where(mask, x, zeros) for x in (values, old_values, returns))
     else:
-        check_segment_ids(segment_ids, mask)
-        lengths = segment_lengths(segment_ids)
+        check_segment_ids(segment_ids, mask, num_slots=num_slots)
+        lengths = segment_lengths(segment_ids, num_slots)
         weights, units = lengths.to(values.dtype), lengths > 0
         values = segment_values(values, segment_ids, value_weighting, lengths)
         old_values = segment_values(old_values, segment_ids, value_weighting, lengths)

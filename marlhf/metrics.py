@@ -32,7 +32,9 @@ def token_repetition(response_ids: torch.Tensor, response_mask: torch.Tensor, n:
     float32 (rows as rollouts hold them; log `.mean()` as a PPO metric)."""
     if response_ids.shape != response_mask.shape:
         raise ValueError(f"response_ids {tuple(response_ids.shape)} and response_mask {tuple(response_mask.shape)} disagree")
-    rows = [ids[mask].tolist() for ids, mask in zip(response_ids.cpu(), response_mask.bool().cpu())]
+    # One device read; padding is marked -1 (token ids are >= 0).
+    rows = [[token for token in row if token >= 0]
+            for row in torch.where(response_mask.bool(), response_ids, -1).tolist()]
     return torch.tensor([repeated_ngram_fraction(row, n) for row in rows], dtype=torch.float32)
 
 

@@ -39,6 +39,8 @@ class Rollout:
     ref_logprobs: torch.Tensor  # [B, T] frozen reference log-probs of the same tokens
     values: torch.Tensor | None  # [B, T] critic values before each token; None without a critic
     scores: torch.Tensor  # [B] reward of each full response (reward model or reward function)
+    query_lengths: list[int]  # prompt tokens of each row, on the host (row_lengths)
+    response_lengths: list[int]  # response tokens of each row, on the host
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
@@ -158,40 +160,56 @@ def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: t
     return torch.cat([query_ids, response_ids], dim=1), torch.cat([query_mask, response_mask], dim=1).long()
 
 
+def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Prompt and response token counts of each row, read to the host once (one device read) so that
+    trim_padding and length_sorted_chunks need none."""
+    query_lengths, response_lengths = torch.stack([query_mask.sum(1), response_mask.sum(1)]).tolist()
+    return query_lengths, response_lengths
+
+
 def trim_padding(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
-                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 response_mask: torch.Tensor, query_lengths: Sequence[int],
+                 response_lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same rows without the columns that are padding in all of them (leading prompt columns, trailing
-    response columns; at least one response column stays). Positions come from the masks, so outputs on
-    real tokens do not change, and a forward pass costs only the columns left."""
-    first = int(query_mask.any(0).long().argmax())  # first column with a real prompt token
-    width = max(int(response_mask.any(0).sum()), 1)  # right padding: the real columns are a prefix
+    response columns; at least one response column stays), given the rows' token counts (row_lengths).
+    Positions come from the masks, so outputs on real tokens do not change, and a forward pass costs only
+    the columns left."""
+    first = query_ids.shape[1] - max(query_lengths, default=0)  # left padding: the real columns are a suffix
+    width = max(max(response_lengths, default=0), 1)  # right padding: the real columns are a prefix
     return query_ids[:, first:], query_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
 
 
-def length_sorted_chunks(query_mask: torch.Tensor, response_mask: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
-    """Row indices, longest rows (prompt + response tokens) first, in chunks of at most `chunk_size`: rows of
-    similar length share a chunk, so trim_padding cuts most of each chunk's padding."""
+def length_sorted_chunks(query_lengths: Sequence[int], response_lengths: Sequence[int],
+                         chunk_size: int) -> list[list[int]]:
+    """Row indices, longest rows (prompt + response tokens) first, ties in row order, in chunks of at most
+    `chunk_size`: rows of similar length share a chunk, so trim_padding cuts most of each chunk's padding."""
     if chunk_size < 1:
         raise ValueError(f"`chunk_size` must be >= 1, got {chunk_size}")
-    lengths = query_mask.sum(1) + response_mask.sum(1)
-    return list(lengths.argsort(descending=True, stable=True).split(chunk_size))
+    lengths = [q + r for q, r in zip(query_lengths, response_lengths, strict=True)]
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # sorted is stable
+    return [order[start : start + chunk_size] for start in range(0, len(order), chunk_size)]
 
 
 def forward_in_chunks(forward: Callable[..., torch.Tensor], query_ids: torch.Tensor, query_mask: torch.Tensor,
-                      response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      chunk_size: int | None = None) -> torch.Tensor:
+                      response_ids: torch.Tensor, response_mask: torch.Tensor, chunk_size: int | None = None,
+                      lengths: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`forward(query_ids, query_mask, response_ids, response_mask)` over length_sorted_chunks of the rows, each
     trimmed by trim_padding, put back in row order: `[B]` results as they are, `[rows, T']` per-token results
-    right-padded with 0 to `[B, T]`. `chunk_size` None: all rows at once."""
+    right-padded with 0 to `[B, T]`. `chunk_size` None: all rows at once. `lengths`: the rows' row_lengths, if
+    the caller has them (else read here)."""
     batch = (query_ids, query_mask, response_ids, response_mask)
-    chunks = length_sorted_chunks(query_mask, response_mask, chunk_size or query_ids.shape[0])
+    query_lengths, response_lengths = lengths if lengths is not None else row_lengths(query_mask, response_mask)
+    chunks = length_sorted_chunks(query_lengths, response_lengths, chunk_size or query_ids.shape[0])
     outputs = []
     for rows in chunks:
-        output = forward(*trim_padding(*(x[rows] for x in batch)))
+        index = torch.tensor(rows, device=query_ids.device)
+        output = forward(*trim_padding(*(x[index] for x in batch), [query_lengths[row] for row in rows],
+                                       [response_lengths[row] for row in rows]))
         if output.dim() == 2:
             output = nn.functional.pad(output, (0, response_ids.shape[1] - output.shape[1]))
         outputs.append(output)
-    return torch.cat(outputs)[torch.cat(chunks).argsort()]
+    order = torch.tensor([row for rows in chunks for row in rows], device=query_ids.device)
+    return torch.cat(outputs)[order.argsort()]
 
 
 def response_logprobs(
@@ -273,8 +291,10 @@ def score_responses(
         if given is not None and given.shape != response_ids.shape:
             raise ValueError(f"`{name}` has shape {tuple(given.shape)}, the responses {tuple(response_ids.shape)}")
 
+    lengths = row_lengths(query_mask, response_mask)
+
     def run(forward: Callable[..., torch.Tensor]) -> torch.Tensor:
-        return forward_in_chunks(forward, *batch, chunk_size=chunk_size)
+        return forward_in_chunks(forward, *batch, chunk_size=chunk_size, lengths=lengths)
 
     if policy is not None:
         logprobs = run(lambda *rows: response_logprobs(policy, *rows, temperature=temperature))
@@ -289,4 +309,4 @@ def score_responses(
         scores = torch.tensor([float(s) for s in reward_fn(prompts, responses)], device=query_ids.device)
         if scores.shape != (len(responses),):
             raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
-    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores)
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths)

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from marlhf._checks import trusted_inputs
 from marlhf.advantages import macro_gae
 from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, policy_loss_units, value_loss
 from marlhf.segments import fixed_ngram, perplexity, randomized_ngram, words
@@ -161,6 +162,47 @@ def test_policy_loss_rejects_bad_input():
         policy_loss(new, old, adv, mask, fixed_ngram(mask, 2), ratio_granularity="seq")
     with pytest.raises(ValueError, match="`segment_ids`"):
         policy_loss(new, old, adv, mask, torch.zeros(3, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_num_slots_from_the_host_gives_the_same_losses(seed):
+    """The trainer passes each piece's segment count from the host; the losses are then bit-identical, and a
+    wrong count is an error naming it (with the value checks on)."""
+    mask, old, new, rewards, values, g = _rollout(seed)
+    for name, ids in _segmentations(mask, g).items():
+        adv, returns = macro_gae(rewards, values, mask, ids)
+        slots = int(ids.max()) + 1
+        for weighting in ("tokens", "uniform", "geometric"):
+            assert torch.equal(policy_loss(new, old, adv, mask, ids, segment_weighting=weighting)[0],
+                               policy_loss(new, old, adv, mask, ids, segment_weighting=weighting, num_slots=slots)[0])
+        for value_weighting in ("equal", "unit", "position", "first"):
+            assert torch.equal(value_loss(new, old, returns, mask, ids, 0.2, value_weighting)[0],
+                               value_loss(new, old, returns, mask, ids, 0.2, value_weighting, num_slots=slots)[0]), name
+        with pytest.raises(ValueError, match="`num_slots` is"):
+            policy_loss(new, old, adv, mask, ids, num_slots=slots + 1)
+        with pytest.raises(ValueError, match="`num_slots` is"):
+            value_loss(new, old, returns, mask, ids, num_slots=slots - 1)
+
+
+def test_trusted_inputs_skip_only_the_value_checks():
+    """Inside trusted_inputs() the checks that read values to the host are off (the caller checked once at
+    its boundary); type and shape checks still run, and outside the block everything is checked again."""
+    mask, old, new, rewards, values, _ = _rollout(0, batch=3, width=5)
+    bad = torch.zeros_like(new)
+    bad[2, 1] = float("nan")
+    ids = fixed_ngram(mask, 2)
+    with trusted_inputs():
+        loss, _ = policy_loss(new, old, bad, mask, ids)
+        assert torch.isnan(loss)
+        value_loss(new, old, bad, mask, ids)
+        with pytest.raises(ValueError, match="`old_logprobs`"):
+            policy_loss(new, old[:, :3], bad, mask)
+        with pytest.raises(ValueError, match="bool tensor"):
+            policy_loss(new, old, bad, mask.long())
+    with pytest.raises(ValueError, match="`advantages`"):
+        policy_loss(new, old, bad, mask, ids)
+    with pytest.raises(ValueError, match="`returns`"):
+        value_loss(new, old, bad, mask, ids)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -6,7 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from marlhf.modeling import ScalarHeadModel, pad_sequences
 from marlhf.rollout import (decode_responses, forward_in_chunks, generate_responses, length_sorted_chunks,
-                            response_logprobs, response_mask_from_ids, response_values, score_responses, trim_padding)
+                            response_logprobs, response_mask_from_ids, response_values, row_lengths, score_responses,
+                            trim_padding)
 
 PAD, EOS = 0, 2
 
@@ -207,12 +208,30 @@ def test_trim_padding_cuts_the_columns_every_row_pads():
     query_mask = query_ids != 0
     response_ids = torch.tensor([[7, 2, 0, 0], [7, 7, 7, 0]])
     response_mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
-    q_ids, q_mask, r_ids, r_mask = trim_padding(query_ids, query_mask, response_ids, response_mask)
+    assert row_lengths(query_mask, response_mask) == ([2, 3], [2, 3])
+    q_ids, q_mask, r_ids, r_mask = trim_padding(query_ids, query_mask, response_ids, response_mask, [2, 3], [2, 3])
     assert q_ids.tolist() == [[0, 5, 6], [4, 4, 4]] and q_mask.tolist() == [[False, True, True], [True] * 3]
     assert r_ids.tolist() == [[7, 2, 0], [7, 7, 7]] and r_mask.tolist() == [[True, True, False], [True] * 3]
-    empty = trim_padding(query_ids, query_mask, response_ids, torch.zeros_like(response_mask))
+    empty = trim_padding(query_ids, query_mask, response_ids, torch.zeros_like(response_mask), [2, 3], [0, 0])
     assert empty[2].shape == (2, 1)  # one response column stays, so a forward still has a token to score
-    assert trim_padding(query_ids[:, 2:], query_mask[:, 2:], response_ids[:, :3], response_mask[:, :3])[0].shape[1] == 3
+    assert trim_padding(query_ids[:, 2:], query_mask[:, 2:], response_ids[:, :3], response_mask[:, :3],
+                        [2, 3], [2, 3])[0].shape[1] == 3
+
+
+def test_trim_padding_equals_the_columns_the_masks_use():
+    """Host lengths give the columns a mask-based cut gives, on random ragged batches (empty rows too)."""
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        rows = int(torch.randint(1, 6, (1,), generator=generator))
+        query_mask = torch.arange(7) >= torch.randint(0, 8, (rows, 1), generator=generator)
+        response_mask = torch.arange(6) < torch.randint(0, 7, (rows, 1), generator=generator)
+        batch = (torch.randint(0, 9, (rows, 7), generator=generator), query_mask,
+                 torch.randint(0, 9, (rows, 6), generator=generator), response_mask)
+        first = int(query_mask.any(0).long().argmax()) if query_mask.any() else 7
+        width = max(int(response_mask.any(0).sum()), 1)
+        expected = (batch[0][:, first:], query_mask[:, first:], batch[2][:, :width], response_mask[:, :width])
+        for got, want in zip(trim_padding(*batch, *row_lengths(query_mask, response_mask)), expected):
+            assert torch.equal(got, want)
 
 
 def test_length_sorted_chunks_cover_every_row_once():
@@ -220,14 +239,13 @@ def test_length_sorted_chunks_cover_every_row_once():
     query_mask = torch.arange(9) >= torch.randint(0, 9, (11, 1), generator=generator)
     response_mask = torch.arange(7) < torch.randint(0, 8, (11, 1), generator=generator)
     lengths = query_mask.sum(1) + response_mask.sum(1)
+    expected = lengths.argsort(descending=True, stable=True).tolist()  # longest first, ties in row order
     for chunk_size in (1, 3, 11, 50):
-        chunks = length_sorted_chunks(query_mask, response_mask, chunk_size)
-        assert sorted(torch.cat(chunks).tolist()) == list(range(11))
+        chunks = length_sorted_chunks(*row_lengths(query_mask, response_mask), chunk_size)
+        assert [row for chunk in chunks for row in chunk] == expected
         assert all(len(c) <= chunk_size for c in chunks) and len(chunks) == -(-11 // chunk_size)
-        ordered = lengths[torch.cat(chunks)]
-        assert (ordered[:-1] >= ordered[1:]).all()
     with pytest.raises(ValueError, match="chunk_size"):
-        length_sorted_chunks(query_mask, response_mask, 0)
+        length_sorted_chunks([1], [1], 0)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 3, 10])

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, whiten
 from marlhf.engines import ENGINES, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
@@ -56,8 +57,8 @@ from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
                              merge_lora, pad_sequences)
 from marlhf.rewards import code_reward_fn
-from marlhf.rollout import (Rollout, RewardFn, length_sorted_chunks, response_logprobs,
-                            response_values, score_responses, trim_padding)
+from marlhf.rollout import (Rollout, RewardFn, length_sorted_chunks, response_logprobs, response_values,
+                            score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, get_termination, segment
 from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
@@ -387,61 +388,95 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                returns: torch.Tensor | None, kept: tuple | None) -> dict[str, list[torch.Tensor]]:
     """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
     step of policy (and critic) per mini-batch. `kept`: the rollout's forwards with gradients, used instead of
-    new ones (one update per step). Returns each loss statistic per piece."""
+    new ones (one update per step). Returns each loss statistic per piece.
+
+    No device read inside the loops: the inputs are checked once here, the pieces' sizes come from host
+    lengths, and the losses' finiteness is read once at the end (a non-finite update stops the run before
+    anything is saved)."""
     config, accelerator, policy, critic = run.config, run.accelerator, run.policy, run.critic
-    mask = rollout.response_mask
+    device, mask = accelerator.device, rollout.response_mask
+    _check_update_inputs(rollout, segment_ids, advantages, returns)
+    segment_counts = num_segments(segment_ids).tolist()  # per row, on the host: each piece's segment slots
     run.train()
     update_stats: dict[str, list[torch.Tensor]] = {}
-    for _ in range(config.ppo_epochs):
-        for mini_batch in torch.randperm(config.rollout_size).split(config.mini_batch_size):
-            mini_batch = mini_batch.to(accelerator.device)
-            # The losses are means per piece (over tokens, or segments or responses: policy_loss_units); weighting
-            # each by its share of the mini-batch's units on all processes makes the update one mean over the
-            # whole mini-batch (DDP averages the processes' gradients, hence the factor num_processes).
-            if critic is not None:
-                num_value_units = accelerator.reduce(policy_loss_units(
-                    mask[mini_batch], None, "tokens", config.loss_agg_mode), reduction="sum")
-            num_policy_units = accelerator.reduce(policy_loss_units(
-                mask[mini_batch], segment_ids[mini_batch], config.segment_weighting, config.loss_agg_mode),
-                reduction="sum")
-            # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
-            # a token sum, which does not depend on how the mini-batch is split.
-            pieces = [mini_batch[rows] for rows in length_sorted_chunks(
-                rollout.query_mask[mini_batch], mask[mini_batch], run.piece_size)]
-            for piece_index, piece in enumerate(pieces):
-                is_last_piece = piece_index == len(pieces) - 1
-                policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting,
-                                                  config.loss_agg_mode) * accelerator.num_processes / num_policy_units
-                inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
-                                      rollout.response_ids[piece], mask[piece])
-                piece_mask = inputs[3]
-                cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
-                with accumulation_context(accelerator, policy, is_last_piece):
-                    logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
-                        policy, *inputs, temperature=config.scoring_temperature)
-                    pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
-                                                    advantages[piece, cols], piece_mask, segment_ids[piece, cols],
-                                                    config.clip_range, config.ratio_granularity,
-                                                    config.segment_weighting, config.loss_agg_mode)
-                    accelerator.backward(pg_loss * policy_weight)
-                stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
-                         "policy/approxkl": pg_stats["approxkl"]}
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    with trusted_inputs():
+        for _ in range(config.ppo_epochs):
+            order = torch.randperm(config.rollout_size).tolist()  # a CPU tensor: no device read
+            for start in range(0, config.rollout_size, config.mini_batch_size):
+                mini_batch_rows = order[start : start + config.mini_batch_size]
+                mini_batch = torch.tensor(mini_batch_rows, device=device)
+                # The losses are means per piece (over tokens, or segments or responses: policy_loss_units);
+                # weighting each by its share of the mini-batch's units on all processes makes the update one
+                # mean over the whole mini-batch (DDP averages the processes' gradients, hence num_processes).
                 if critic is not None:
-                    value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
-                                                     ) * accelerator.num_processes / num_value_units
-                    with accumulation_context(accelerator, critic, is_last_piece):
-                        values = kept[1][piece, cols] if kept is not None else response_values(critic, *inputs)
-                        value_segments = segment_ids[piece, cols] if config.value_loss_granularity == "segment" else None
-                        vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
-                                                       piece_mask, value_segments, config.value_clip_range,
-                                                       config.value_weighting, config.loss_agg_mode)
-                        accelerator.backward(vf_loss * value_weight)
-                    stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
-                for name, value in stats.items():
-                    update_stats.setdefault(name, []).append(value)
-            for model, optimizer, scheduler in run.updaters:
-                optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
+                    num_value_units = accelerator.reduce(policy_loss_units(
+                        mask[mini_batch], None, "tokens", config.loss_agg_mode), reduction="sum")
+                num_policy_units = accelerator.reduce(policy_loss_units(
+                    mask[mini_batch], segment_ids[mini_batch], config.segment_weighting, config.loss_agg_mode),
+                    reduction="sum")
+                # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
+                # a token sum, which does not depend on how the mini-batch is split.
+                chunks = length_sorted_chunks([rollout.query_lengths[row] for row in mini_batch_rows],
+                                              [rollout.response_lengths[row] for row in mini_batch_rows],
+                                              run.piece_size)
+                for piece_index, chunk in enumerate(chunks):
+                    is_last_piece = piece_index == len(chunks) - 1
+                    piece_rows = [mini_batch_rows[i] for i in chunk]
+                    piece = torch.tensor(piece_rows, device=device)
+                    num_slots = max(segment_counts[row] for row in piece_rows)
+                    policy_weight = policy_loss_units(mask[piece], segment_ids[piece], config.segment_weighting,
+                                                      config.loss_agg_mode) * accelerator.num_processes / num_policy_units
+                    inputs = trim_padding(rollout.query_ids[piece], rollout.query_mask[piece],
+                                          rollout.response_ids[piece], mask[piece],
+                                          [rollout.query_lengths[row] for row in piece_rows],
+                                          [rollout.response_lengths[row] for row in piece_rows])
+                    piece_mask = inputs[3]
+                    cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
+                    with accumulation_context(accelerator, policy, is_last_piece):
+                        logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
+                            policy, *inputs, temperature=config.scoring_temperature)
+                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
+                                                        advantages[piece, cols], piece_mask, segment_ids[piece, cols],
+                                                        config.clip_range, config.ratio_granularity,
+                                                        config.segment_weighting, config.loss_agg_mode, num_slots)
+                        accelerator.backward(pg_loss * policy_weight)
+                    stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
+                             "policy/approxkl": pg_stats["approxkl"]}
+                    if critic is not None:
+                        value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
+                                                         ) * accelerator.num_processes / num_value_units
+                        with accumulation_context(accelerator, critic, is_last_piece):
+                            values = kept[1][piece, cols] if kept is not None else response_values(critic, *inputs)
+                            value_segments = (segment_ids[piece, cols] if config.value_loss_granularity == "segment"
+                                              else None)
+                            vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
+                                                           piece_mask, value_segments, config.value_clip_range,
+                                                           config.value_weighting, config.loss_agg_mode, num_slots)
+                            accelerator.backward(vf_loss * value_weight)
+                        stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
+                    losses = [stats[name] for name in ("loss/policy", "loss/value") if name in stats]
+                    finite &= torch.isfinite(torch.stack(losses)).all()
+                    for name, value in stats.items():
+                        update_stats.setdefault(name, []).append(value)
+                for model, optimizer, scheduler in run.updaters:
+                    optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
+    if not bool(accelerator.reduce(finite.long(), reduction="sum") == accelerator.num_processes):
+        raise FloatingPointError("the PPO update's policy or value loss is NaN or inf (the models' log-probs or "
+                                 "values went non-finite); the run stops before saving anything from this step")
     return update_stats
+
+
+def _check_update_inputs(rollout: Rollout, segment_ids: torch.Tensor, advantages: torch.Tensor,
+                         returns: torch.Tensor | None) -> None:
+    """What the update's pieces slice, checked once per step: the pieces then skip the value checks."""
+    mask = rollout.response_mask
+    check_mask(mask, "response_mask")
+    check_segment_ids(segment_ids, mask)
+    for name, x in (("logprobs", rollout.logprobs), ("values", rollout.values), ("advantages", advantages),
+                    ("returns", returns)):
+        if x is not None:
+            check_like(x, mask, name)
 
 
 def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segmentation_stats: dict[str, float],

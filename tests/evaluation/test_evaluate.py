@@ -100,7 +100,7 @@ def test_compare_checkpoints(tmp_path, tiny_model_dir, second_policy_dir, reward
         assert len((out / name / "responses.jsonl").read_text().splitlines()) == len(PROMPTS)
     assert (out / "score_histograms.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / f"scatter_{first}_vs_{second}.png").read_bytes()[:4] == b"\x89PNG"
-    scores = {name: np.array([json.loads(l)["score"] for l in (out / name / "responses.jsonl").read_text().splitlines()])
+    scores = {name: np.array([json.loads(line)["score"] for line in (out / name / "responses.jsonl").read_text().splitlines()])
               for name in (first, second)}
     assert comparison["pairs"][f"{second}_vs_{first}"]["mean_difference"] == pytest.approx(
         (scores[second] - scores[first]).mean(), abs=1e-6)
