@@ -19,7 +19,7 @@ import sys
 from marlhf.demo.config import DemoConfig
 from marlhf.demo.pipeline import run_demo
 
-EXTRA_TERMINATIONS = ("fixed:3", "fixed:10", "fixed:inf")  # ppo (n=1) and ma_ppo (n=5) always run
+EXTRA_TERMINATIONS = ("fixed:3", "fixed:10", "fixed:none")  # ppo (n=1) and ma_ppo (n=5) always run
 N_OF_METHOD = {"ppo": "1", "ma_ppo_fixed3": "3", "ma_ppo": "5", "ma_ppo_fixed10": "10", "ma_ppo_fixed_inf": "inf"}
 
 

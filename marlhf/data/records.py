@@ -69,3 +69,15 @@ def check_stage_records(records: list[dict[str, Any]], stage: str, source: str) 
                     f"{source}: record {index} has field {field!r} {problem}; "
                     f"stage {stage!r} records need non-empty string fields {list(STAGE_FIELDS[stage])}"
                 )
+
+
+def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], stage: str) -> None:
+    """Records handed to a trainer: at least one, each with string `fields` (which may be empty, unlike a
+    dataset's rows: an empty response is a valid SFT target)."""
+    if not records:
+        raise ValueError(f"no {stage} records")
+    for index, record in enumerate(records):
+        missing = [name for name in fields if not isinstance(record.get(name), str)]
+        if missing:
+            raise ValueError(f"{stage} record {index} lacks string field(s) {missing}; "
+                             f"{stage} records need {list(fields)}")

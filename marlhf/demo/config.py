@@ -20,7 +20,7 @@ class DemoConfig(ConfigBase):
     out: str = option("demo_out", "output directory")
     seeds: tuple[int, ...] = option((0, 1), "PPO seeds; every method runs on each")
     terminations: tuple[str, ...] = option(
-        (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:inf, randomized, "
+        (), "extra MA-PPO methods besides ppo (fixed:1) and ma_ppo (fixed:5): fixed:N, fixed:none (the whole response), randomized, "
             "perplexity, word (one macro action per word)")
     methods: tuple[BaselineMethod, ...] = option(
         (), "baselines besides PPO and MA-PPO: rloo, grpo, reinforce (critic-free advantages in the PPO loop), "
@@ -83,14 +83,14 @@ class DemoConfig(ConfigBase):
 
 
 def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
-    """`fixed:N`, `fixed:inf`, `randomized`, `perplexity`, `word` -> (method name, PPOConfig options)."""
+    """`fixed:N`, `fixed:none`, `randomized`, `perplexity`, `word` -> (method name, PPOConfig options)."""
     rule, _, argument = spec.partition(":")
     if rule == "fixed" and argument:
-        if argument == "inf":
+        if argument == "none":  # as `marlhf ppo --ngram none`: the whole response is one macro action
             return "ma_ppo_fixed_inf", {"termination": "fixed", "ngram": None}
         if argument.isdigit() and int(argument) >= 1:
             name = "ppo" if argument == "1" else "ma_ppo" if argument == "5" else f"ma_ppo_fixed{argument}"
             return name, {"termination": "fixed", "ngram": int(argument)}
     elif rule in ("randomized", "perplexity", "word") and not argument:
         return f"ma_ppo_{rule}", {"termination": rule}
-    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:inf, randomized, perplexity or word")
+    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:none, randomized, perplexity or word")

@@ -28,9 +28,9 @@ from marlhf.demo.pretrain import pretrain, tiny_llama
 from marlhf.demo.report import load_method_runs, plot_curves, summarize, write_report
 from marlhf.demo.task import SyntheticTask, TaskConfig
 from marlhf.demo.tokenizer import train_tokenizer
-from marlhf.evaluation.evaluate import reward_model_scores
-from marlhf.modeling import ScalarHeadModel, load_causal_lm, load_tokenizer, pad_sequences
-from marlhf.rollout import generate_responses, response_logprobs
+from marlhf.evaluation.evaluate import reward_model_scores, sampled_batches
+from marlhf.modeling import ScalarHeadModel, load_causal_lm, load_tokenizer
+from marlhf.rollout import response_logprobs
 from marlhf.trainers.dpo import DPOConfig, train_dpo
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from marlhf.trainers.reward import RewardConfig, train_reward_model
@@ -76,20 +76,14 @@ def evaluate_policy(policy, ref, reward_model: ScalarHeadModel, tokenizer, task:
     torch.manual_seed(seed)
     policy.eval()
     samples, kls = [], []
-    for start in range(0, len(prompts), batch_size):
-        batch_prompts = prompts[start:start + batch_size]
-        query_ids, query_mask = pad_sequences([tokenizer(p)["input_ids"] for p in batch_prompts],
-                                              tokenizer.pad_token_id, "left")
-        query_mask = query_mask.bool()
-        response_ids, response_mask = generate_responses(
-            policy, query_ids, query_mask, max_new_tokens=max_response_tokens(task.config.num_words), temperature=temperature, top_k=50,
-            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        batch = (query_ids, query_mask, response_ids, response_mask)
+    for batch, responses in sampled_batches(policy, tokenizer, prompts, batch_size=batch_size,
+                                            max_prompt_length=MAX_PROMPT_TOKENS,
+                                            max_new_tokens=max_response_tokens(task.config.num_words),
+                                            temperature=temperature, top_k=50, top_p=1.0):
         log_ratio = (response_logprobs(policy, *batch, temperature=temperature)
                      - response_logprobs(ref, *batch, temperature=temperature))
         kls += log_ratio.sum(1).tolist()
-        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        samples += [{"prompt": p, "response": r} for p, r in zip(batch_prompts, responses)]
+        samples += [{"prompt": p, "response": r} for p, r in zip(prompts[len(samples):], responses)]
     responses = [s["response"] for s in samples]
     gold = task.gold_rewards(prompts, responses)
     scores = reward_model_scores(reward_model, tokenizer, prompts, responses, batch_size=batch_size,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 from marlhf.config import ConfigBase, option
+from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, prompt_token_ids
 from marlhf.evaluation.judge import write_jsonl
 from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
 from marlhf.modeling import pad_sequences
-from marlhf.rollout import generate_responses
-from marlhf.trainers.common import collate_prompt_response, encode_prompt_response, prompt_token_ids
+from marlhf.rollout import decode_responses, generate_responses
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -82,24 +82,33 @@ class EvaluateConfig(ConfigBase):
 
 
 @torch.no_grad()
-def generate_texts(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *, samples_per_prompt: int = 1,
-                   batch_size: int = 16, max_prompt_length: int = 512, max_new_tokens: int = 512,
-                   temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0) -> list[list[str]]:
-    """`samples_per_prompt` sampled responses (decoded, special tokens removed) for each prompt. Prompts
-    keep their last `max_prompt_length` tokens and a leading `<bos>`. Sampling uses torch's global RNG: seed it
-    first."""
+def sampled_batches(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *, samples_per_prompt: int = 1,
+                    batch_size: int = 16, max_prompt_length: int = 512, max_new_tokens: int = 512,
+                    temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0,
+                    ) -> Iterator[tuple[tuple[torch.Tensor, ...], list[str]]]:
+    """Sampled responses batch by batch: `((query_ids, query_mask, response_ids, response_mask), texts)` (texts
+    decoded, special tokens removed), `samples_per_prompt` consecutive rows per prompt. Prompts keep their last
+    `max_prompt_length` tokens and a leading `<bos>`. Sampling uses torch's global RNG: seed it first."""
     device = next(policy.parameters()).device
     prompt_ids = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
     rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
-    texts: list[str] = []
     for start in tqdm(range(0, len(rows), batch_size), desc="generate", disable=None, leave=False):
         query_ids, query_mask = pad_sequences(rows[start:start + batch_size], tokenizer.pad_token_id, "left")
+        query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
         response_ids, response_mask = generate_responses(
-            policy, query_ids.to(device), query_mask.bool().to(device), max_new_tokens=max_new_tokens,
+            policy, query_ids, query_mask, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
-        texts += tokenizer.batch_decode(response_ids.masked_fill(~response_mask, tokenizer.pad_token_id),
-                                        skip_special_tokens=True)
+        yield (query_ids, query_mask, response_ids, response_mask), decode_responses(tokenizer, response_ids,
+                                                                                     response_mask)
+
+
+def generate_texts(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *, samples_per_prompt: int = 1,
+                   **sampling: Any) -> list[list[str]]:
+    """`samples_per_prompt` sampled responses for each prompt (`sampling`: the options of sampled_batches)."""
+    texts = [text for _, batch_texts in sampled_batches(policy, tokenizer, prompts,
+                                                        samples_per_prompt=samples_per_prompt, **sampling)
+             for text in batch_texts]
     return [texts[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(prompts))]
 
 

@@ -1,4 +1,5 @@
-"""Pieces every trainer loop shares: run setup, data order, tokenisation, optimiser and schedule.
+"""Pieces every trainer loop shares: run setup, data order, optimiser and schedule (the encoding of
+records into token ids is marlhf.data.encoding).
 
 API:
     accelerator = make_accelerator(config)                  # Accelerator + seeded python/numpy/torch RNGs
@@ -12,10 +13,6 @@ API:
     optimizer = make_optimizer(model, config); scheduler = make_scheduler(optimizer, config, plan.total_steps)
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
     save_final_model(model, tokenizer, directory, accelerator)
-    encode_prompt_response(tokenizer, prompt, response, max_prompt_length, max_length) -> (token ids, prompt length)
-    prompt_token_ids(tokenizer, prompt, max_prompt_length)  # left-truncated, the leading <bos> kept
-    collate_prompt_response(examples, pad_token_id, device) -> {"input_ids", "attention_mask", "response_mask"}
-    require_fields(records, ("prompt", "response"), "sft")   # ValueError naming the record and field
     accumulation_context(accelerator, model, is_last_micro_batch)
     grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm)
     model = train_supervised(config, accelerator, model, tokenizer, examples, collate, loss_fn, desc)
@@ -42,7 +39,7 @@ from transformers import get_scheduler
 from marlhf.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from marlhf.config import RunConfig, TrainingConfig
 from marlhf.logging_utils import MetricsLogger, reduce_metrics
-from marlhf.modeling import merge_lora, pad_sequences
+from marlhf.modeling import merge_lora
 
 
 def make_accelerator(config: RunConfig) -> Accelerator:
@@ -67,7 +64,9 @@ def make_accelerator(config: RunConfig) -> Accelerator:
 def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, Any]]:
     if config.dataset is None:
         raise ValueError("dataset is required when no records are passed in")
-    from marlhf.data import load_records  # imported here: the trainers' Python API works without it
+    from marlhf.data import (
+        load_records,  # imported here: the trainers' Python API works without it
+    )
 
     return load_records(config.dataset, stage, task=config.dataset_task, seed=config.seed,
                         max_samples=config.max_samples)
@@ -155,52 +154,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, tot
     # The option names the schedule after warmup; transformers' plain "constant" would skip the warmup.
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-
-
-def prompt_token_ids(tokenizer, prompt: str, max_prompt_length: int) -> list[int]:
-    """The prompt's token ids, its LAST max_prompt_length of them when it is longer (the instruction
-    usually ends it), with the special tokens the tokenizer puts in front (Gemma's and Llama's `<bos>`) kept."""
-    ids = tokenizer(prompt)["input_ids"]
-    if len(ids) <= max_prompt_length:
-        return ids
-    prefix = tokenizer("")["input_ids"]  # what the tokenizer adds in front of any text
-    if prefix and ids[:len(prefix)] == prefix and len(prefix) < max_prompt_length:
-        return prefix + ids[len(prefix):][len(ids) - max_prompt_length:]
-    return ids[-max_prompt_length:]
-
-
-def encode_prompt_response(tokenizer, prompt: str, response: str, max_prompt_length: int,
-                           max_length: int) -> tuple[list[int], int]:
-    """Token ids of prompt + response + EOS and the prompt's length in tokens.
-
-    The prompt keeps its LAST max_prompt_length tokens and its leading special tokens (prompt_token_ids);
-    the response is cut to fit max_length.
-    """
-    prompt_ids = prompt_token_ids(tokenizer, prompt, max_prompt_length)
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    response_ids = response_ids[:max_length - len(prompt_ids)]
-    return prompt_ids + response_ids, len(prompt_ids)
-
-
-def collate_prompt_response(examples: list[tuple[list[int], int]], pad_token_id: int,
-                            device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded batch of encode_prompt_response outputs; response_mask (bool) marks response tokens."""
-    input_ids, attention_mask = pad_sequences([ids for ids, _ in examples], pad_token_id, "right")
-    prompt_lengths = torch.tensor([prompt_length for _, prompt_length in examples])
-    positions = torch.arange(input_ids.shape[1])
-    response_mask = attention_mask.bool() & (positions[None, :] >= prompt_lengths[:, None])
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-            "response_mask": response_mask.to(device)}
-
-
-def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], stage: str) -> None:
-    if not records:
-        raise ValueError(f"no {stage} records")
-    for index, record in enumerate(records):
-        missing = [name for name in fields if not isinstance(record.get(name), str)]
-        if missing:
-            raise ValueError(f"{stage} record {index} lacks string field(s) {missing}; "
-                             f"{stage} records need {list(fields)}")
 
 
 def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_last_micro_batch: bool):

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from marlhf.config import TrainingConfig, option
+from marlhf.data.encoding import collate_pairs, encode_pairs
+from marlhf.data.records import STAGE_FIELDS, require_fields
 from marlhf.losses import dpo_loss
-from marlhf.modeling import (AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, sequence_logprobs)
-from marlhf.trainers.common import make_accelerator, records_from_config, require_fields, train_supervised
-from marlhf.trainers.reward import PAIR_FIELDS, collate_pairs, encode_pairs
+from marlhf.modeling import AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, sequence_logprobs
+from marlhf.trainers.common import make_accelerator, records_from_config, train_supervised
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +48,7 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
     """Train `model` (default: loaded from config.model_name_or_path) with DPO and return it unwrapped."""
     accelerator = make_accelerator(config)
     records = records if records is not None else records_from_config(config, "rm")
-    require_fields(records, PAIR_FIELDS, "dpo")
+    require_fields(records, STAGE_FIELDS["rm"], "dpo")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
     if model is None:
         model = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
@@ -58,7 +59,7 @@ def train_dpo(config: DPOConfig, records: list[dict[str, Any]] | None = None, mo
         ref_model = AdaptersDisabled(model) if config.use_lora else copy.deepcopy(model)
     if isinstance(ref_model, torch.nn.Module):
         ref_model.requires_grad_(False).eval().to(accelerator.device)
-    pairs = encode_pairs(tokenizer, records, config)
+    pairs = encode_pairs(tokenizer, records, config.max_prompt_length, config.max_length)
 
     def loss_fn(model, batch):
         with torch.no_grad(), accelerator.autocast():

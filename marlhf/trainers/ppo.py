@@ -48,22 +48,24 @@ from tqdm.auto import tqdm
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, whiten
+from marlhf.config import TrainingConfig, option
+from marlhf.data.encoding import prompt_token_ids
+from marlhf.data.records import require_fields
 from marlhf.engines import ENGINES, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
-from marlhf.config import TrainingConfig, option
-from marlhf.metrics import row_l2, token_repetition
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
-from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer,
-                             merge_lora, pad_sequences)
+from marlhf.metrics import row_l2, token_repetition
+from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer, merge_lora,
+                             pad_sequences)
 from marlhf.rewards import code_reward_fn
-from marlhf.rollout import (Rollout, RewardFn, length_sorted_chunks, response_logprobs, response_values,
+from marlhf.rollout import (RewardFn, Rollout, length_sorted_chunks, response_logprobs, response_values,
                             score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, get_termination, segment
-from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer,
-                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
-                                    require_fields, save_final_model, start_run)
+from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer, make_scheduler,
+                                    maybe_save_checkpoint, optimizer_step, records_from_config, save_final_model,
+                                    start_run)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -95,8 +97,11 @@ class PPOConfig(TrainingConfig):
     forward_batch_size: int | None = option(
         None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
               "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
-    max_prompt_length: int = option(512, "prompts longer than N tokens are dropped (as the released code does)",
+    max_prompt_length: int = option(512, "prompt budget in tokens (what happens to longer prompts: long_prompts)",
                                     ge=1)
+    long_prompts: Literal["drop", "truncate"] = option(
+        "drop", "prompts over max_prompt_length tokens are dropped (the released code's RL stage) or keep their last "
+                "max_prompt_length tokens and leading <bos>, as SFT, reward modelling, DPO and evaluation do")
     max_response_length: int = option(512, "sample at most N response tokens", ge=1)
     max_length: int = option(1024, "context budget: must hold max_prompt_length + max_response_length", ge=2)
 
@@ -170,6 +175,7 @@ class PPOConfig(TrainingConfig):
 
     HELP_SECTIONS = {
         "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size", "max_prompt_length",
+                     "long_prompts",
                      "max_response_length", "max_length", "temperature", "top_k", "top_p"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
@@ -263,20 +269,27 @@ def _own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x[:, : like.shape[1]] if x.dim() == 2 else x
 
 
-def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, max_prompt_length: int,
+def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, config: PPOConfig,
                       accelerator) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and token ids, without the prompts longer than max_prompt_length (dropped and counted)."""
-    texts, token_ids = [], []
+    """Prompt texts and token ids; a prompt over max_prompt_length tokens is dropped or cut (long_prompts),
+    and counted."""
+    texts, token_ids, long = [], [], 0
+    limit = config.max_prompt_length
     for record in records:
         ids = tokenizer(record["prompt"])["input_ids"]
-        if len(ids) <= max_prompt_length:
-            texts.append(record["prompt"])
-            token_ids.append(ids)
-    dropped = len(records) - len(texts)
-    if dropped:
-        accelerator.print(f"ppo: dropped {dropped} of {len(records)} prompts longer than {max_prompt_length} tokens")
+        if len(ids) > limit:
+            long += 1
+            if config.long_prompts == "drop":
+                continue
+            ids = prompt_token_ids(tokenizer, record["prompt"], limit)
+        texts.append(record["prompt"])
+        token_ids.append(ids)
+    if long:
+        action = "dropped" if config.long_prompts == "drop" else "truncated"
+        accelerator.print(f"ppo: {action} {long} of {len(records)} prompts longer than {limit} tokens")
     if not texts:
-        raise ValueError(f"every prompt is longer than max_prompt_length={max_prompt_length} tokens")
+        raise ValueError(f"every prompt is longer than max_prompt_length={limit} tokens (long_prompts='drop'; "
+                         "'truncate' keeps their last tokens)")
     return texts, token_ids
 
 
@@ -557,7 +570,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         critic = _disable_dropout(critic)
 
     # ---- data, optimisers, resume ------------------------------------------------------------
-    prompt_texts, prompt_ids = _tokenize_prompts(records, tokenizer, config.max_prompt_length, accelerator)
+    prompt_texts, prompt_ids = _tokenize_prompts(records, tokenizer, config, accelerator)
     # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
     plan = BatchPlan(len(prompt_ids), dataclasses.replace(config, gradient_accumulation_steps=1), accelerator)
     updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)

@@ -18,13 +18,11 @@ import torch
 from accelerate import Accelerator
 
 from marlhf.config import TrainingConfig, option
+from marlhf.data.encoding import Pair, collate_pairs, encode_pairs
+from marlhf.data.records import STAGE_FIELDS, require_fields
 from marlhf.losses import bradley_terry_loss
 from marlhf.modeling import ScalarHeadModel, apply_lora, last_token_index, load_tokenizer
-from marlhf.trainers.common import (collate_prompt_response, encode_prompt_response, make_accelerator,
-                                    records_from_config, require_fields, train_supervised)
-
-PAIR_FIELDS = ("prompt", "chosen", "rejected")
-Pair = tuple[tuple[list[int], int], tuple[list[int], int]]
+from marlhf.trainers.common import make_accelerator, records_from_config, train_supervised
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -36,17 +34,6 @@ class RewardConfig(TrainingConfig):
     eval_fraction: float = option(0.05, "held-out fraction of the records for pairwise accuracy (0: none)", ge=0, lt=1)
     eval_steps: int = option(100, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     per_device_eval_batch_size: int = option(16, "pairs per evaluation batch on each process", ge=1)
-
-
-def encode_pairs(tokenizer, records: list[dict[str, Any]], config: TrainingConfig) -> list[Pair]:
-    return [(encode_prompt_response(tokenizer, r["prompt"], r["chosen"], config.max_prompt_length, config.max_length),
-             encode_prompt_response(tokenizer, r["prompt"], r["rejected"], config.max_prompt_length, config.max_length))
-            for r in records]
-
-
-def collate_pairs(pairs: list[Pair], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One right-padded batch: the chosen sequences in rows [0, B), the rejected ones in rows [B, 2B)."""
-    return collate_prompt_response([c for c, _ in pairs] + [r for _, r in pairs], pad_token_id, device)
 
 
 def pair_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,16 +83,17 @@ def train_reward_model(config: RewardConfig, records: list[dict[str, Any]] | Non
     """Train `model` (default: ScalarHeadModel from config.model_name_or_path) and return it unwrapped."""
     accelerator = make_accelerator(config)
     records = records if records is not None else records_from_config(config, "rm")
-    require_fields(records, PAIR_FIELDS, "rm")
+    require_fields(records, STAGE_FIELDS["rm"], "rm")
     if eval_records is None:
         records, eval_records = split_records(records, config.eval_fraction, config.seed)
     elif eval_records:
-        require_fields(eval_records, PAIR_FIELDS, "rm eval")
+        require_fields(eval_records, STAGE_FIELDS["rm"], "rm eval")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path)
     if model is None:
         model = ScalarHeadModel.from_pretrained(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
     model = apply_lora(model, config)
-    pairs, eval_pairs = encode_pairs(tokenizer, records, config), encode_pairs(tokenizer, eval_records, config)
+    pairs, eval_pairs = (encode_pairs(tokenizer, records, config.max_prompt_length, config.max_length),
+                           encode_pairs(tokenizer, eval_records, config.max_prompt_length, config.max_length))
 
     def evaluate(model, done: int, total_steps: int) -> dict[str, float]:
         if eval_pairs and ((config.eval_steps and done % config.eval_steps == 0) or done == total_steps):

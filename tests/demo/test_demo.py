@@ -10,7 +10,7 @@ from marlhf import cli
 from marlhf.demo import DemoConfig, run_demo
 
 METHODS = ("ppo", "ma_ppo")
-EXTRA = ("fixed:inf", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
+EXTRA = ("fixed:none", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
 EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")
 BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
 STEPS = DemoConfig.quick().ppo_steps

@@ -64,7 +64,9 @@ def test_load_method_runs_merges_trainer_and_gold_rows(tmp_path):
 
 def test_parse_termination_and_config_checks():
     assert parse_termination("fixed:3") == ("ma_ppo_fixed3", {"termination": "fixed", "ngram": 3})
-    assert parse_termination("fixed:inf") == ("ma_ppo_fixed_inf", {"termination": "fixed", "ngram": None})
+    assert parse_termination("fixed:none") == ("ma_ppo_fixed_inf", {"termination": "fixed", "ngram": None})
+    with pytest.raises(ValueError, match="fixed:none"):
+        parse_termination("fixed:inf")  # one spelling of "whole response", as `--ngram none`
     assert parse_termination("randomized") == ("ma_ppo_randomized", {"termination": "randomized"})
     assert parse_termination("perplexity")[0] == "ma_ppo_perplexity"
     assert parse_termination("word") == ("ma_ppo_word", {"termination": "word"})

@@ -8,10 +8,14 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 import marlhf.trainers.dpo as dpo
+from marlhf.data.encoding import collate_pairs, encode_pairs
 from marlhf.logging_utils import read_metrics
 from marlhf.modeling import AdaptersDisabled
 from marlhf.trainers.dpo import DPOConfig, response_logprob_sums, train_dpo
-from marlhf.trainers.reward import collate_pairs, encode_pairs
+
+
+def _lengths(config) -> tuple[int, int]:
+    return config.max_prompt_length, config.max_length
 
 
 def _config(tmp_path, **overrides):
@@ -23,7 +27,7 @@ def _config(tmp_path, **overrides):
 
 def test_response_logprob_sums_match_per_row_reference(tmp_path, tiny_tokenizer, make_tiny_causal_lm, tiny_records):
     model = make_tiny_causal_lm().eval()
-    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"][:3], _config(tmp_path))
+    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"][:3], *_lengths(_config(tmp_path)))
     with torch.no_grad():
         sums = response_logprob_sums(model, collate_pairs(pairs, tiny_tokenizer.pad_token_id, torch.device("cpu")))
         expected = []
@@ -36,7 +40,7 @@ def test_response_logprob_sums_match_per_row_reference(tmp_path, tiny_tokenizer,
 def test_dpo_prefers_chosen_after_training(tmp_path, tiny_tokenizer, make_tiny_causal_lm, tiny_records):
     model = make_tiny_causal_lm()
     reference = make_tiny_causal_lm()  # same seed: identical starting weights, never updated
-    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], _config(tmp_path)),
+    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], *_lengths(_config(tmp_path))),
                           tiny_tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         ref_chosen, ref_rejected = response_logprob_sums(reference, batch).chunk(2)
@@ -90,7 +94,7 @@ def test_dpo_lora_reference_is_the_policy_with_adapters_off(tmp_path, tiny_token
     assert sorted(changed) == sorted(k for k in saved if k.endswith(("q_proj.weight", "k_proj.weight",
                                                                        "v_proj.weight", "o_proj.weight")))
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "dpo")
-    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], config), tiny_tokenizer.pad_token_id,
+    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], *_lengths(config)), tiny_tokenizer.pad_token_id,
                           torch.device("cpu"))
     with torch.no_grad():
         torch.testing.assert_close(response_logprob_sums(reloaded, batch), response_logprob_sums(trained, batch))

@@ -256,6 +256,23 @@ def test_long_prompts_are_dropped_and_missing_reward_is_an_error(tmp_path, make_
         train_ppo(_config(tmp_path), RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
 
 
+def test_long_prompts_truncate_like_the_other_stages(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
+    """long_prompts="truncate": a prompt over max_prompt_length keeps its last tokens and its leading special
+    tokens, exactly as SFT, reward modelling, DPO and evaluation encode it (prompt_token_ids)."""
+    from marlhf.data.encoding import prompt_token_ids
+
+    seen = []
+    real = ppo.pad_sequences
+    monkeypatch.setattr(ppo, "pad_sequences", lambda rows, *a, **k: (seen.extend(rows), real(rows, *a, **k))[1])
+    config = _config(tmp_path, max_prompt_length=8, long_prompts="truncate", max_steps=1)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    expected = [prompt_token_ids(tiny_tokenizer, r["prompt"], 8) for r in RECORDS]
+    assert all(len(ids) == 8 for ids in expected) and seen and all(ids in expected for ids in seen)
+    assert all(len(tiny_tokenizer(r["prompt"])["input_ids"]) > 8 for r in RECORDS)  # every prompt was cut
+    with pytest.raises(ValueError, match="long_prompts"):
+        PPOConfig(long_prompts="keep")
+
+
 def test_code_reward_fn_scores_programs_on_their_record_tests():
     tests = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})
     score = code_reward_fn([{"prompt": "add", "input_output": tests}])

@@ -3,10 +3,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from marlhf.data.encoding import collate_pairs, encode_pairs
 from marlhf.logging_utils import read_metrics
 from marlhf.modeling import ScalarHeadModel
-from marlhf.trainers.reward import (RewardConfig, collate_pairs, encode_pairs, pair_scores, split_records,
-                                   train_reward_model)
+from marlhf.trainers.reward import RewardConfig, pair_scores, split_records, train_reward_model
+
+
+def _lengths(config) -> tuple[int, int]:
+    return config.max_prompt_length, config.max_length
 
 
 def _config(tmp_path, **overrides):
@@ -20,7 +24,7 @@ def _config(tmp_path, **overrides):
 def test_pair_scores_are_the_last_token_values(tmp_path, tiny_tokenizer, make_tiny_causal_lm, tiny_records):
     model = ScalarHeadModel(make_tiny_causal_lm().model)
     config = _config(tmp_path)
-    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"][:3], config)
+    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"][:3], *_lengths(config))
     chosen, rejected = pair_scores(model, collate_pairs(pairs, tiny_tokenizer.pad_token_id, torch.device("cpu")))
     for row, (chosen_example, rejected_example) in enumerate(pairs):
         for example, score in ((chosen_example, chosen[row]), (rejected_example, rejected[row])):
@@ -38,7 +42,7 @@ def test_split_records_is_seeded_and_disjoint(tiny_records):
 
 def test_reward_model_learns_the_preference(tmp_path, tiny_tokenizer, make_tiny_causal_lm, tiny_records):
     model = ScalarHeadModel(make_tiny_causal_lm().model)
-    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"], _config(tmp_path))
+    pairs = encode_pairs(tiny_tokenizer, tiny_records["rm"], *_lengths(_config(tmp_path)))
     batch = collate_pairs(pairs, tiny_tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         margin_before = torch.sub(*pair_scores(model, batch)).mean().item()
@@ -59,7 +63,7 @@ def test_reward_lora_trains_adapters_and_head_and_saves_the_merged_model(tmp_pat
                                                                         make_tiny_causal_lm, tiny_records):
     model = ScalarHeadModel(make_tiny_causal_lm().model)
     start_weights = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], _config(tmp_path)),
+    batch = collate_pairs(encode_pairs(tiny_tokenizer, tiny_records["rm"], *_lengths(_config(tmp_path))),
                           tiny_tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         margin_before = torch.sub(*pair_scores(model, batch)).mean().item()

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from marlhf.checkpoint import list_checkpoints
+from marlhf.data.encoding import encode_prompt_response
 from marlhf.logging_utils import read_metrics
-from marlhf.trainers.common import encode_prompt_response
 from marlhf.trainers.sft import IGNORE_INDEX, SFTConfig, collate_sft, train_sft
 from tests.trainers.killed_run import run_until_killed
 
@@ -180,7 +180,7 @@ def test_long_prompts_keep_their_leading_bos():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from marlhf.trainers.common import encode_prompt_response, prompt_token_ids
+    from marlhf.data.encoding import encode_prompt_response, prompt_token_ids
 
     vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate("abcdefgh")}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
