@@ -10,6 +10,7 @@ API:
         # returns the trainer_state dict with "step" added
     latest_checkpoint(output_dir) -> Path | None;  list_checkpoints(output_dir) -> [Path] (oldest first)
     resolve_resume(resume, output_dir) -> Path | None    # RunConfig.resume: None, "latest" or a path
+    checkpoint_problem(path) -> str | None               # why a checkpoint is not usable (None: it is complete)
 
 Layout of checkpoint-<step>/:
     <model name>/            save_pretrained (safetensors) + tokenizer: loadable with from_pretrained;
@@ -18,9 +19,12 @@ Layout of checkpoint-<step>/:
     optimizer.<name>.{json,safetensors}, scheduler.<name>.{json,safetensors}
     rng_state.<process index>.{json,safetensors}   python, numpy, torch (+cuda) generators
     trainer_state.{json,safetensors}                step + whatever the trainer passes
+    config.yaml                                     the run's config when the checkpoint was written
+    manifest.json                                   every other file's size and sha256, written last
 Non-tensor structure goes to the .json file and tensors to the .safetensors file (no pickle anywhere).
 A checkpoint is written to a temporary directory and renamed into place, so a crash never leaves a
-partial checkpoint-<step>. Models must provide save_pretrained / from_pretrained (Hugging Face models
+partial checkpoint-<step>; a checkpoint damaged later (a file deleted, truncated or changed) no longer
+matches its manifest, and resume skips it (`latest`) or refuses it (a path), naming the file. Models must provide save_pretrained / from_pretrained (Hugging Face models
 and marlhf.modeling.ScalarHeadModel do) or be peft models; they may be wrapped by accelerator.prepare.
 Under FSDP (version 2) the checkpoint holds the full weights and optimizer states, gathered from the
 processes' shards, in the same files as an unsharded run; on resume the main process reads them and sends
@@ -31,7 +35,9 @@ Adapters are loaded into the model passed to load_checkpoint: its frozen base we
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -46,6 +52,7 @@ from marlhf.modeling import ScalarHeadModel
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 _TMP_PREFIX = ".tmp-checkpoint-"
+MANIFEST = "manifest.json"
 
 
 # ---- nested state <-> (json, tensors) ----------------------------------------------------------
@@ -135,21 +142,75 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    checkpoints = list_checkpoints(output_dir)
-    return checkpoints[-1] if checkpoints else None
+def latest_checkpoint(output_dir: str | Path, report=None) -> Path | None:
+    """The newest complete checkpoint; `report(message)` hears of each newer one skipped and why."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        if report is not None:
+            report(f"skipping {path}: {problem}")
+    return None
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """Map RunConfig.resume to a checkpoint directory (None: start fresh)."""
+def resolve_resume(resume: str | None, output_dir: str | Path, report=print) -> Path | None:
+    """Map RunConfig.resume to a complete checkpoint directory (None: start fresh)."""
     if resume is None:
         return None
-    path = latest_checkpoint(output_dir) if resume == "latest" else Path(resume)
-    if path is None:
-        raise ValueError(f"resume='latest' but {output_dir} holds no checkpoint-<step> directory")
-    if not path.is_dir():
-        raise ValueError(f"resume checkpoint {path} does not exist")
+    if resume == "latest":
+        path = latest_checkpoint(output_dir, report)
+        if path is None:
+            raise ValueError(f"resume='latest' but {output_dir} holds no complete checkpoint-<step> directory")
+        return path
+    path = Path(resume)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"cannot resume from {path}: {problem}")
     return path
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a complete, intact checkpoint (None: it is one): every file its manifest lists is
+    there with its size and sha256."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        if (path / "config.json").exists() and not _with_extension(path / "trainer_state", ".json").exists():
+            return "a model directory, not a checkpoint (resume takes OUTPUT_DIR/checkpoint-<step>)"
+        return f"no {MANIFEST}: the save did not finish (or the checkpoint predates manifests)"
+    try:
+        files = json.loads(manifest_file.read_text())["files"]
+        entries = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"{manifest_file} is unreadable ({error})"
+    for name, size, digest in entries:
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, its manifest says {size}"
+        if _sha256(file) != digest:
+            return f"{file} does not match its manifest's checksum"
+    return None
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    """List every file under `directory` with size and sha256, into MANIFEST, atomically and last."""
+    files = {str(file.relative_to(directory)): {"size": file.stat().st_size, "sha256": _sha256(file)}
+             for file in sorted(directory.rglob("*")) if file.is_file() and file.name != MANIFEST}
+    tmp = directory / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / MANIFEST)
 
 
 def _unwrap(model: torch.nn.Module, accelerator) -> torch.nn.Module:
@@ -159,8 +220,10 @@ def _unwrap(model: torch.nn.Module, accelerator) -> torch.nn.Module:
 def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, torch.nn.Module],
                     optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     schedulers: dict[str, Any] | None = None, trainer_state: dict[str, Any] | None = None,
-                    tokenizer=None, save_total_limit: int | None = None, accelerator=None) -> Path:
-    """Write OUTPUT_DIR/checkpoint-<step> atomically; every process must call this (collective)."""
+                    tokenizer=None, save_total_limit: int | None = None, accelerator=None,
+                    config_yaml: str | None = None) -> Path:
+    """Write OUTPUT_DIR/checkpoint-<step> atomically, with its manifest last; every process must call this
+    (collective). `config_yaml`: the run's config, kept in the checkpoint."""
     output_dir = Path(output_dir)
     is_main = accelerator is None or accelerator.is_main_process
     process_index = 0 if accelerator is None else accelerator.process_index
@@ -190,8 +253,11 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, torch.n
         for name, scheduler in (schedulers or {}).items():
             save_state(tmp / f"scheduler.{name}", scheduler.state_dict())
         save_state(tmp / "trainer_state", {**(trainer_state or {}), "step": step})
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
     _wait(accelerator)
     if is_main:
+        _write_manifest(tmp)
         if final.exists():  # re-saving a step after resuming from an earlier checkpoint
             stale = output_dir / f"{_TMP_PREFIX}{step}.stale"
             final.rename(stale)
@@ -259,6 +325,8 @@ def _saved_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.T
                 **{f"head.{name}": value for name, value in head.items()}}
     if (directory / "adapter_config.json").exists():
         raise ValueError(f"{directory} holds LoRA adapters only: resume it with use_lora on")
+    if not (directory / "config.json").is_file():  # from_pretrained would build a default config instead
+        raise ValueError(f"{directory} has no config.json: the checkpoint is damaged")
     return type(model).from_pretrained(directory).state_dict()
 
 

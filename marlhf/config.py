@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -100,6 +102,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     if inner is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     if inner is str:
         if not isinstance(value, str):
@@ -183,9 +187,12 @@ class ConfigBase:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in dataclasses.fields(self)}
 
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     def save_yaml(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        Path(path).write_text(self.to_yaml())
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -227,9 +234,27 @@ def _format_default(value: Any) -> str:
     return str(value)
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` (no dot) as a string; users write learning rates that way, so it is a float here.
+    A key given twice is an error, not "the last one wins"."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"{self.name}: option {key!r} is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     with open(path) as handle:
-        values = yaml.safe_load(handle)
+        values = yaml.load(handle, Loader=_ConfigLoader)
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -249,8 +274,26 @@ class RunConfig(ConfigBase):
     save_steps: int = option(500, "save a checkpoint every N optimizer steps (0: only the final model)", ge=0)
     save_total_limit: int | None = option(2, "keep only the newest K checkpoints (none: keep all)", ge=1)
     resume: str | None = option(
-        None, "resume from a checkpoint: 'latest' (newest checkpoint in output_dir) or a checkpoint path")
+        None, "resume from a checkpoint: 'latest' (newest complete checkpoint in output_dir) or a checkpoint path")
+    overwrite_output_dir: bool = option(
+        False, "start afresh in an output_dir that holds an earlier run (its checkpoints are deleted)")
+    allow_config_change: bool = option(
+        False, "resume with options that change the run's meaning (model, data, rewards, macro actions, batch "
+               "arithmetic, ...); the run's configs are kept as config.yaml and config.resume-<step>.yaml")
     mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "Accelerate mixed precision mode")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.output_dir.strip():
+            raise ValueError("output_dir must not be empty")
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError("resume must be 'latest', a checkpoint path or none, not empty")
+        output_dir = Path(self.output_dir).resolve()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("name_or_path") and isinstance(value, str) and Path(value).resolve() == output_dir:
+                raise ValueError(f"output_dir {self.output_dir!r} is the {f.name} directory: the run would write over "
+                                 "its input; choose another output_dir")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -273,6 +316,9 @@ class TrainingConfig(RunConfig):
     warmup_steps: int | None = option(None, "linear warmup in optimizer steps; overrides warmup_ratio (none: use "
                                             "the ratio)", ge=0)
     max_grad_norm: float | None = option(1.0, "clip the gradient norm to this value (none: no clipping)", gt=0)
+    nonfinite_skip_limit: int = option(
+        3, "an optimizer step with a NaN/inf gradient norm is skipped (train/skipped_steps); more than N in a row "
+           "stop the run (0: stop at the first)", ge=0)
     per_device_batch_size: int = option(8, "records per micro-batch on each process", ge=1)
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", ge=1)
     num_epochs: float = option(1.0, "passes over the training records", gt=0)

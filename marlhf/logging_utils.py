@@ -9,13 +9,16 @@ API:
     reduce_metrics(stats, accelerator) -> dict[str, float]  # mean of each scalar over processes
 
 Only the main process writes. A fresh run (resume_step=None) truncates metrics.jsonl; a resumed run keeps
-the lines with step <= resume_step and drops the rest, so after a crash and resume the file reads like one
-uninterrupted run.
+the lines with step <= resume_step and drops the rest (rewritten to a temporary file, then renamed over the
+old one), so after a crash and resume the file reads like one uninterrupted run. A torn last line (a crash
+or a full disk mid-write) is dropped with a warning; a damaged line elsewhere is an error naming it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +29,8 @@ METRICS_FILE = "metrics.jsonl"
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, report_to: Literal["jsonl", "tensorboard", "none"] = "jsonl",
-                 is_main_process: bool = True, resume_step: int | None = None) -> None:
+                 is_main_process: bool = True, resume_step: int | None = None, lock=None) -> None:
+        self._lock = lock  # the output directory's lock (marlhf.run_lock), released by close()
         if report_to not in ("jsonl", "tensorboard", "none"):
             raise ValueError(f"report_to must be 'jsonl', 'tensorboard' or 'none', got {report_to!r}")
         self.path = Path(output_dir) / METRICS_FILE
@@ -37,11 +41,14 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept_lines = []
         if resume_step is not None and self.path.exists():
-            kept_lines = [line for line in self.path.read_text().splitlines()
-                          if line.strip() and json.loads(line)["step"] <= resume_step]
-        self._file = open(self.path, "w")
-        self._file.writelines(line + "\n" for line in kept_lines)
-        self._file.flush()
+            kept_lines = [json.dumps(row) for row in _read_rows(self.path) if row["step"] <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as handle:
+            handle.writelines(line + "\n" for line in kept_lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -59,6 +66,9 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(name, value, global_step=step)
 
     def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -84,8 +94,27 @@ def _checked_scalar(name: str, value: Any) -> Any:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, float]]:
-    path = Path(output_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _read_rows(Path(output_dir) / METRICS_FILE)
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl; a torn last line is dropped with a warning, any other bad line is an error."""
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a {\"step\": ...} object")
+        except ValueError as error:
+            if number == len(lines):
+                warnings.warn(f"{path}:{number}: dropping a torn last line ({error})", stacklevel=3)
+                break
+            raise ValueError(f"{path}:{number} is not a metrics row ({error})") from None
+        rows.append(row)
+    return rows
 
 
 def reduce_metrics(stats: dict[str, Any], accelerator=None) -> dict[str, float]:

@@ -53,10 +53,20 @@ def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     return getattr(torch, dtype)
 
 
+def check_model_path(name_or_path: str | Path) -> None:
+    """A local path that does not exist is an error saying so (a Hub id has one '/' and no leading '.', '/'
+    or '~'; from_pretrained would call the path a malformed repo id)."""
+    name = str(name_or_path)
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or isinstance(name_or_path, Path)
+    if looks_local and not Path(name).expanduser().exists():
+        raise ValueError(f"model path {name!r} does not exist")
+
+
 def load_tokenizer(name_or_path: str, padding_side: str = "right"):
     """Right padding for training batches, left padding for generation."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    check_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -69,6 +79,7 @@ def load_tokenizer(name_or_path: str, padding_side: str = "right"):
 
 def load_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32",
                    gradient_checkpointing: bool = False) -> PreTrainedModel:
+    check_model_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_torch_dtype(dtype))
     if gradient_checkpointing:
         model.activation_checkpointing_enable()
@@ -98,6 +109,7 @@ class ScalarHeadModel(nn.Module):
     def from_pretrained(cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32",
                         gradient_checkpointing: bool = False) -> ScalarHeadModel:
         """Backbone from any HF checkpoint; the head from scalar_head.safetensors if saved there, else fresh."""
+        check_model_path(name_or_path)
         model = cls(AutoModel.from_pretrained(name_or_path, dtype=_torch_dtype(dtype)))
         head_file = Path(name_or_path) / cls.HEAD_FILE
         if head_file.exists():

@@ -39,8 +39,12 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"dataset file {str(path)!r} does not exist")
     if path.suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ValueError(f"{path}:{line_number}: not valid UTF-8 ({error})") from None
                 if not line.strip():
                     continue
                 try:

@@ -5,16 +5,18 @@ API:
     accelerator = make_accelerator(config)                  # Accelerator + seeded python/numpy/torch RNGs
     records = records_from_config(config, stage)            # marlhf.data.load_records(config.dataset, ...)
     start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
-        # writes config.yaml, resumes from config.resume (restoring models/optimizers/schedulers/RNG),
-        # opens the MetricsLogger; start_step = optimizer steps already done. ValueError when output_dir
-        # already holds checkpoints and resume is not set.
+        # locks output_dir (marlhf.run_lock), resumes from config.resume (the newest complete checkpoint;
+        # restoring models/optimizers/schedulers/RNG; meaning-changing option changes refused), records the
+        # config, opens the MetricsLogger (its close() releases the lock); start_step = optimizer steps done.
+        # ValueError when output_dir holds an earlier run and neither resume nor overwrite_output_dir is set.
     plan = BatchPlan(num_records, config, accelerator)      # deterministic order: epoch e shuffled by seed + e
     plan.total_steps; plan.epoch_at(step); plan.micro_batches(step) -> this process's index lists
     optimizer = make_optimizer(model, config); scheduler = make_scheduler(optimizer, config, plan.total_steps)
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
     save_final_model(model, tokenizer, directory, accelerator)
     accumulation_context(accelerator, model, is_last_micro_batch)
-    grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm)
+    guard = FiniteUpdates(config.nonfinite_skip_limit)    # skips optimizer steps with a NaN/inf gradient norm
+    grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm, guard)
     model = train_supervised(config, accelerator, model, tokenizer, examples, collate, loss_fn, desc)
         # the loop SFT, reward modelling and DPO share: each gives its batch collation and its loss
 
@@ -27,19 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marlhf.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from marlhf.checkpoint import (CHECKPOINT_PATTERN, list_checkpoints, load_checkpoint, resolve_resume,
+                               save_checkpoint)
 from marlhf.config import RunConfig, TrainingConfig
-from marlhf.logging_utils import MetricsLogger, reduce_metrics
+from marlhf.logging_utils import METRICS_FILE, MetricsLogger, reduce_metrics
 from marlhf.modeling import merge_lora
+from marlhf.run_lock import OutputDirLock
 
 
 def make_accelerator(config: RunConfig) -> Accelerator:
@@ -72,24 +78,108 @@ def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, An
                         max_samples=config.max_samples)
 
 
+# Options a resumed run may change without changing what the run computes (the rest need allow_config_change).
+RESUMABLE_CHANGES = frozenset({"output_dir", "resume", "overwrite_output_dir", "allow_config_change", "logging_steps",
+                               "save_steps", "save_total_limit", "report_to", "max_steps", "forward_batch_size"})
+
+
 def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, torch.nn.Module],
               optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any]) -> tuple[int, MetricsLogger]:
-    """Save config.yaml, resume if asked, open the metrics logger. Call after accelerator.prepare."""
+    """Lock output_dir for this run, resume if asked, record the config, open the metrics logger. Call after
+    accelerator.prepare; `logger.close()` releases the lock.
+
+    Resume takes the newest complete checkpoint (`latest`, naming the ones it skips) or the one named, refuses
+    option changes that alter the run's meaning unless allow_config_change, keeps the first launch's config.yaml
+    and writes config.resume-<step>.yaml, and moves checkpoints newer than the one resumed aside (so `latest`
+    stays this lineage's). A fresh run refuses a directory that holds an earlier run unless
+    overwrite_output_dir."""
     output_dir = Path(config.output_dir)
-    checkpoint = resolve_resume(config.resume, output_dir)
-    if checkpoint is None and list_checkpoints(output_dir):
-        # A fresh run would mix its checkpoints with the old ones (and keep-last-K could delete the new ones).
-        raise ValueError(f"output_dir {output_dir} already holds checkpoints: set resume ('latest' or a path) "
-                         "or choose another output_dir")
-    if accelerator.is_main_process:
-        config.save_yaml(output_dir / "config.yaml")
-    start_step = 0
-    if checkpoint is not None:
-        start_step = load_checkpoint(checkpoint, models, optimizers, schedulers, accelerator)["step"]
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    logger = MetricsLogger(output_dir, config.report_to, accelerator.is_main_process,
-                           resume_step=start_step if checkpoint is not None else None)
+    lock = _lock_output_dir(output_dir, accelerator)
+    try:
+        checkpoint = resolve_resume(config.resume, output_dir, report=accelerator.print)
+        if checkpoint is None:
+            _start_fresh(config, output_dir, accelerator)
+        else:
+            _continue_lineage(config, checkpoint, output_dir, accelerator)
+        start_step = 0
+        if checkpoint is not None:
+            start_step = load_checkpoint(checkpoint, models, optimizers, schedulers, accelerator)["step"]
+            accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+        logger = MetricsLogger(output_dir, config.report_to, accelerator.is_main_process,
+                               resume_step=start_step if checkpoint is not None else None, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return start_step, logger
+
+
+def _lock_output_dir(output_dir: Path, accelerator: Accelerator) -> OutputDirLock | None:
+    """The main process locks output_dir and clears temporary checkpoints of crashed runs; every process stops
+    if it cannot."""
+    lock, problem = None, ""
+    if accelerator.is_main_process:
+        try:
+            lock = OutputDirLock(output_dir)
+        except ValueError as error:
+            problem = str(error)
+        else:
+            for leftover in output_dir.glob(".tmp-checkpoint-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+    failed = torch.tensor([0 if not problem else 1], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="sum")
+    if int(failed):
+        raise ValueError(problem or f"the main process could not lock output_dir {output_dir}")
+    return lock
+
+
+def _start_fresh(config: RunConfig, output_dir: Path, accelerator: Accelerator) -> None:
+    earlier = [what for what, there in (
+        ("checkpoints", list_checkpoints(output_dir)),
+        ("metrics.jsonl", (output_dir / METRICS_FILE).is_file() and (output_dir / METRICS_FILE).stat().st_size),
+        ("a final model", (output_dir / "config.json").is_file())) if there]
+    if earlier and not config.overwrite_output_dir:
+        # A fresh run would mix its checkpoints with the old ones (and keep-last-K could delete the new ones).
+        raise ValueError(f"output_dir {output_dir} already holds an earlier run ({', '.join(earlier)}): resume it "
+                         "(resume: latest), choose another output_dir, or set overwrite_output_dir")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for checkpoint in list_checkpoints(output_dir):
+            shutil.rmtree(checkpoint)
+        for old in output_dir.glob("config.resume-*.yaml"):
+            old.unlink()
+        config.save_yaml(output_dir / "config.yaml")
+    accelerator.wait_for_everyone()
+
+
+def _continue_lineage(config: RunConfig, checkpoint: Path, output_dir: Path, accelerator: Accelerator) -> None:
+    saved = checkpoint / "config.yaml"
+    before = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+    if before is None:
+        raise ValueError(f"{checkpoint} holds no config.yaml, so a resume cannot check what changed")
+    now = config.to_dict()
+    changed = sorted(name for name in now if name not in RESUMABLE_CHANGES and before.get(name) != now[name])
+    if changed and not config.allow_config_change:
+        details = "; ".join(f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in changed)
+        raise ValueError(f"resuming {checkpoint} with options that change the run ({details}): keep them, or set "
+                         "allow_config_change")
+    step = int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1)) if CHECKPOINT_PATTERN.match(checkpoint.name) else None
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if not (output_dir / "config.yaml").is_file():
+            (output_dir / "config.yaml").write_text(saved.read_text())
+        config.save_yaml(output_dir / f"config.resume-{step if step is not None else checkpoint.name}.yaml")
+        if checkpoint.parent.resolve() == output_dir.resolve() and step is not None:
+            newer = [c for c in list_checkpoints(output_dir) if int(CHECKPOINT_PATTERN.match(c.name).group(1)) > step]
+            if newer:
+                aside = output_dir / f"superseded-after-{step}"
+                aside.mkdir(exist_ok=True)
+                for path in newer:
+                    path.rename(aside / path.name)
+                accelerator.print(f"resuming {checkpoint.name}: moved the newer {', '.join(p.name for p in newer)} "
+                                  f"to {aside}, so that 'latest' is this run's")
+    accelerator.wait_for_everyone()
 
 
 def maybe_save_checkpoint(config: RunConfig, step: int, accelerator: Accelerator,
@@ -98,7 +188,8 @@ def maybe_save_checkpoint(config: RunConfig, step: int, accelerator: Accelerator
     """Checkpoint after optimizer step `step` (1-based count of steps done) when save_steps says so."""
     if config.save_steps and step % config.save_steps == 0:
         save_checkpoint(config.output_dir, step, models, optimizers, schedulers, tokenizer=tokenizer,
-                        save_total_limit=config.save_total_limit, accelerator=accelerator)
+                        save_total_limit=config.save_total_limit, accelerator=accelerator,
+                        config_yaml=config.to_yaml())
 
 
 def save_final_model(model: torch.nn.Module, tokenizer, directory: str | Path, accelerator: Accelerator) -> None:
@@ -161,13 +252,37 @@ def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_la
     return contextlib.nullcontext() if is_last_micro_batch else accelerator.no_sync(model)
 
 
+class FiniteUpdates:
+    """The finite-update guard: an optimizer step whose gradient norm is NaN or inf is skipped (the weights and
+    optimizer state stay as they were, so nothing non-finite is ever saved) and counted; more than `limit` in a
+    row stop the run. Its check is the one device read of an optimizer step."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.skipped, self.in_a_row = limit, 0, 0
+
+    def allows(self, grad_norm: torch.Tensor) -> bool:
+        if bool(torch.isfinite(grad_norm)):
+            self.in_a_row = 0
+            return True
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row > self.limit:
+            raise FloatingPointError(
+                f"{self.in_a_row} optimizer steps in a row had a NaN or inf gradient norm (a loss or reward out of "
+                f"range, or a learning rate too large); the run stops, and its checkpoints hold only finite "
+                f"weights (nonfinite_skip_limit={self.limit})")
+        return False
+
+
 def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                   max_grad_norm: float | None) -> tuple[torch.Tensor, float]:
-    """Clip the gradients (when max_grad_norm is set), step the optimizer and the schedule, zero the
-    gradients. Returns the gradient norm before clipping and the learning rate the step used."""
+                   max_grad_norm: float | None, guard: FiniteUpdates | None = None) -> tuple[torch.Tensor, float]:
+    """Clip the gradients (when max_grad_norm is set), step the optimizer (unless `guard` refuses a non-finite
+    gradient) and the schedule, zero the gradients. Returns the gradient norm before clipping and the learning
+    rate the step used."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)
     learning_rate = scheduler.get_last_lr()[0]
-    optimizer.step()
+    if guard is None or guard.allows(grad_norm):
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
     return grad_norm, learning_rate
@@ -189,6 +304,7 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
     models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
     start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
 
+    guard = FiniteUpdates(config.nonfinite_skip_limit)
     model.train()
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc=desc,
                     disable=not accelerator.is_local_main_process)
@@ -201,14 +317,15 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
                 loss, stats = loss_fn(model, batch)
                 accelerator.backward(loss / len(micro_batches))
             step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
+        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
 
         done = step + 1
         metrics = {}
         if done % config.logging_steps == 0 or done == plan.total_steps:
             means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
             metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
-            metrics.update(learning_rate=learning_rate, epoch=plan.epoch_at(done))
+            metrics.update({"learning_rate": learning_rate, "epoch": plan.epoch_at(done),
+                            "train/skipped_steps": guard.skipped})
         if evaluate is not None:
             metrics.update(evaluate(model, done, plan.total_steps))
         if metrics:

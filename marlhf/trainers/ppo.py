@@ -63,9 +63,9 @@ from marlhf.rollout import (RewardFn, Rollout, length_sorted_chunks, response_lo
                             score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, get_termination, segment
-from marlhf.trainers.common import (BatchPlan, accumulation_context, make_accelerator, make_optimizer, make_scheduler,
-                                    maybe_save_checkpoint, optimizer_step, records_from_config, save_final_model,
-                                    start_run)
+from marlhf.trainers.common import (BatchPlan, FiniteUpdates, accumulation_context, make_accelerator, make_optimizer,
+                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
+                                    save_final_model, start_run)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -327,7 +327,7 @@ class PPORun:
     reward_model: ScalarHeadModel | None
     reward_fn: RewardFn | None
     engine: Any
-    updaters: list  # (model, optimizer, scheduler) of the policy, then the critic
+    updaters: list  # (model, optimizer, scheduler, finite-update guard) of the policy, then the critic
     prompt_texts: list[str]
     prompt_ids: list[list[int]]
     plan: BatchPlan
@@ -335,7 +335,7 @@ class PPORun:
     eos_token_id: Any
 
     def train(self, mode: bool = True) -> None:
-        for model, _, _ in self.updaters:
+        for model, *_ in self.updaters:
             model.train(mode)
 
 
@@ -403,16 +403,15 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
     step of policy (and critic) per mini-batch. `kept`: the rollout's forwards with gradients, used instead of
     new ones (one update per step). Returns each loss statistic per piece.
 
-    No device read inside the loops: the inputs are checked once here, the pieces' sizes come from host
-    lengths, and the losses' finiteness is read once at the end (a non-finite update stops the run before
-    anything is saved)."""
+    No device read inside the pieces: the inputs are checked once here and the pieces' sizes come from host
+    lengths; each optimizer step reads one number, the finite-update guard's gradient norm (a NaN or inf one
+    skips the step)."""
     config, accelerator, policy, critic = run.config, run.accelerator, run.policy, run.critic
     device, mask = accelerator.device, rollout.response_mask
     _check_update_inputs(rollout, segment_ids, advantages, returns)
     segment_counts = num_segments(segment_ids).tolist()  # per row, on the host: each piece's segment slots
     run.train()
     update_stats: dict[str, list[torch.Tensor]] = {}
-    finite = torch.ones((), dtype=torch.bool, device=device)
     with trusted_inputs():
         for _ in range(config.ppo_epochs):
             order = torch.randperm(config.rollout_size).tolist()  # a CPU tensor: no device read
@@ -468,15 +467,10 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                                                            config.value_weighting, config.loss_agg_mode, num_slots)
                             accelerator.backward(vf_loss * value_weight)
                         stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
-                    losses = [stats[name] for name in ("loss/policy", "loss/value") if name in stats]
-                    finite &= torch.isfinite(torch.stack(losses)).all()
                     for name, value in stats.items():
                         update_stats.setdefault(name, []).append(value)
-                for model, optimizer, scheduler in run.updaters:
-                    optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm)
-    if not bool(accelerator.reduce(finite.long(), reduction="sum") == accelerator.num_processes):
-        raise FloatingPointError("the PPO update's policy or value loss is NaN or inf (the models' log-probs or "
-                                 "values went non-finite); the run stops before saving anything from this step")
+                for model, optimizer, scheduler, guard in run.updaters:
+                    optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
     return update_stats
 
 
@@ -512,6 +506,7 @@ def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segme
         "time/scoring": clock["scoring"] - clock["generation"],
         "time/update": clock["update"] - clock["scoring"],
         "time/step_seconds": _clock(run.accelerator.device) - clock["start"],
+        "train/skipped_steps": sum(guard.skipped for *_, guard in run.updaters),
     }
     if returns is not None:
         metrics["val/return_l2"] = row_l2(returns, mask)
@@ -585,7 +580,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         critic_scheduler = make_scheduler(critic_optimizer, config, plan.total_steps * updates_per_step)
         critic, critic_optimizer = accelerator.prepare(critic, critic_optimizer)
         models["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
-    updaters = [(models[name], optimizers[name], schedulers[name]) for name in models]
+    updaters = [(models[name], optimizers[name], schedulers[name], FiniteUpdates(config.nonfinite_skip_limit))
+                for name in models]
     start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
     eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
     if eos_token_id is None:

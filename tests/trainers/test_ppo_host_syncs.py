@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import marlhf
 import marlhf.trainers.ppo as ppo
 from marlhf.checkpoint import list_checkpoints
+from marlhf.logging_utils import read_metrics
 from tests.trainers.test_ppo import RECORDS, _config, count_e
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
@@ -27,7 +29,7 @@ PACKAGE = str(Path(marlhf.__file__).parent)
 
 @pytest.fixture
 def count_reads(monkeypatch):
-    """Counter of reads per (stage, method, file, line), made by marlhf code inside the PPO step's stages."""
+    """Counter of reads per (stage, method, file, function), made by marlhf code inside the PPO step's stages."""
     counts: collections.Counter = collections.Counter()
     inside: list[str | None] = [None]
 
@@ -35,7 +37,7 @@ def count_reads(monkeypatch):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
             if inside[0] and caller.startswith(PACKAGE):
-                counts[(inside[0], name, Path(caller).name, sys._getframe(1).f_lineno)] += 1
+                counts[(inside[0], name, Path(caller).name, sys._getframe(1).f_code.co_name)] += 1
             return method(self, *args, **kwargs)
         return read
 
@@ -70,13 +72,22 @@ LAYOUTS = [dict(mini_batch_size=8), dict(mini_batch_size=4, gradient_accumulatio
 @pytest.mark.parametrize("termination", ["fixed", "word"])
 def test_reads_do_not_grow_with_mini_batches_or_pieces(tmp_path, count_reads, make_tiny_causal_lm, tiny_tokenizer,
                                                        termination):
-    reads = [_reads_in_one_step(tmp_path, count_reads, make_tiny_causal_lm, tiny_tokenizer, termination=termination,
-                                **layout) for layout in LAYOUTS]
+    """Beyond one read per optimizer step (the finite-update guard's gradient norm, as a GradScaler's), a
+    step's reads are a constant, whatever the number of mini-batches and pieces."""
+    reads, guard_reads = [], []
+    for layout in LAYOUTS:
+        _reads_in_one_step(tmp_path, count_reads, make_tiny_causal_lm, tiny_tokenizer, termination=termination,
+                           **layout)
+        guard = sum(n for key, n in count_reads.items() if key[3] == "allows")  # FiniteUpdates.allows
+        guard_reads.append(guard)
+        reads.append(sum(count_reads.values()) - guard)
+    optimizer_steps = [2 * 2 * 8 // layout["mini_batch_size"] for layout in LAYOUTS]  # epochs x models x mini-batches
+    assert guard_reads == optimizer_steps
     assert reads[0] == reads[1] == reads[2], reads
     assert reads[0] <= 40, sorted(count_reads.items())  # boundary checks, host lengths, one metrics read
-    update = {key: n for key, n in count_reads.items() if key[0] == "ppo_update"}
+    update = {key: n for key, n in count_reads.items() if key[0] == "ppo_update" and key[3] != "allows"}
     assert not [key for key in update if key[2] in ("losses.py", "segments.py", "advantages.py")], update
-    assert sum(update.values()) <= 16, update  # its boundary checks, segment counts, permutations, finiteness
+    assert sum(update.values()) <= 16, update  # its boundary checks, segment counts, permutations
 
 
 def test_the_count_sees_checks_inside_the_pieces(tmp_path, count_reads, make_tiny_causal_lm, tiny_tokenizer,
@@ -88,12 +99,29 @@ def test_the_count_sees_checks_inside_the_pieces(tmp_path, count_reads, make_tin
     assert reads[0] < reads[1] < reads[2], reads
 
 
-def test_a_non_finite_update_stops_before_saving(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
-    """The pieces skip the value checks, so NaN log-probs from the model are caught once after the update."""
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
+    """The pieces skip the value checks; NaN log-probs from the model give a NaN gradient norm, whose optimizer
+    step the guard skips and counts. One is survived with finite weights; more than nonfinite_skip_limit in a
+    row stop the run before anything is saved."""
     real = ppo.response_logprobs
-    monkeypatch.setattr(ppo, "response_logprobs", lambda *args, **kwargs: real(*args, **kwargs) * float("nan"))
+    calls = []
+
+    def first_piece_nan(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs) * (float("nan") if len(calls) == 1 else 1.0)
+
+    monkeypatch.setattr(ppo, "response_logprobs", first_piece_nan)
     config = _config(tmp_path, max_steps=2, ppo_epochs=2, save_steps=1)
-    with pytest.raises(FloatingPointError, match="NaN or inf"):
+    policy = ppo.train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    assert [m["train/skipped_steps"] for m in read_metrics(config.output_dir)] == [1, 1]
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+
+    monkeypatch.setattr(ppo, "response_logprobs", lambda *args, **kwargs: real(*args, **kwargs) * float("nan"))
+    config = _config(tmp_path, output_dir=str(tmp_path / "nan"), max_steps=2, ppo_epochs=2, save_steps=1)
+    with pytest.raises(FloatingPointError, match="NaN or inf gradient norm"):
         ppo.train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
-    assert list_checkpoints(config.output_dir) == []
+    saved = list_checkpoints(config.output_dir)
+    assert saved  # step 1 skipped 2 policy steps (limit 3) and was saved: with the weights it started with
+    for checkpoint in saved:
+        assert all(torch.isfinite(w).all() for w in load_file(checkpoint / "policy" / "model.safetensors").values())
     assert not (Path(config.output_dir) / "model.safetensors").exists()
