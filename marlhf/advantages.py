@@ -78,8 +78,8 @@ def kl_penalized_rewards(
     check_finite_vector(scores, "scores")
     if scores.shape[0] != mask.shape[0]:
         raise ValueError(f"`scores` has {scores.shape[0]} rows but `mask` has {mask.shape[0]}")
-    if kl_coef < 0:
-        raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}")
+    if not kl_coef >= 0 or kl_coef == float("inf"):  # NaN fails the comparison
+        raise ValueError(f"`kl_coef` must be a finite number >= 0, got {kl_coef}")
     rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), torch.zeros_like(logprobs))
     lengths = mask.sum(dim=1)
     last = (lengths - 1).clamp(min=0)[:, None]
@@ -231,6 +231,7 @@ def macro_gae(
     seg_advantages = discounted_reverse_cumsum(deltas, gamma * lam)
     advantages = broadcast_segments(seg_advantages, segment_ids)
     returns = broadcast_segments(seg_advantages + seg_values, segment_ids)
+    check_like(returns, mask, "returns (rewards and values too large: the sums overflow)")
     return advantages, returns
 
 

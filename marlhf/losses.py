@@ -130,6 +130,7 @@ def policy_loss(
             "ratio_mean": masked_mean(ratio, units),
             "ratio_max": torch.where(units, ratio, torch.zeros_like(ratio)).max() if units.numel() else ratio.new_zeros(()),
         }
+    check_finite_vector(loss.detach().reshape(1), "loss (advantages too large: the surrogate overflows)")
     return loss, stats
 
 
@@ -213,6 +214,7 @@ def value_loss(
         per_unit = torch.maximum(squared, squared_clipped)
         clipfrac = masked_mean((squared_clipped > squared).float(), units).detach()
     loss = 0.5 * _aggregate(per_unit * weights, mask, loss_agg_mode, mask.sum())
+    check_finite_vector(loss.detach().reshape(1), "loss (values or returns too large: the squares overflow)")
     return loss, {"vf_clipfrac": clipfrac}
 
 

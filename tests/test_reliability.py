@@ -235,3 +235,23 @@ def test_the_lock_is_taken_again_by_the_same_process_after_a_crash(tmp_path):
     second.release()
     first.release()  # a no-op: the second took it over
     time.sleep(0)
+
+
+def test_core_functions_on_huge_finite_inputs_name_the_problem():
+    """Huge but finite inputs (3e38) overflow inside the math: an error naming what overflowed, never a silent
+    NaN or inf (and kl_coef must be finite)."""
+    from marlhf.advantages import kl_penalized_rewards, macro_gae
+    from marlhf.losses import policy_loss, value_loss
+    from marlhf.segments import fixed_ngram
+
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    ids, huge, zeros = fixed_ngram(mask, 2), torch.full((2, 6), 3e38), torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="overflow"):
+        macro_gae(huge, huge, mask, ids)
+    with pytest.raises(ValueError, match="advantages too large"):
+        policy_loss(zeros, zeros, huge, mask, ids)
+    with pytest.raises(ValueError, match="values or returns too large"):
+        value_loss(huge, huge, -huge, mask, ids)
+    with pytest.raises(ValueError, match="`kl_coef` must be a finite number"):
+        kl_penalized_rewards(torch.zeros(2), zeros, zeros, mask, float("nan"))
+    assert torch.isfinite(macro_gae(torch.full((2, 6), 1e30), zeros, mask, ids)[0]).all()  # large is fine

@@ -162,12 +162,14 @@ def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoM
                   max_length=MAX_PROMPT_TOKENS + response_tokens + 1, per_device_batch_size=32)
     sft_dir, reward_dir = models_dir / "sft", models_dir / "reward"
     sft = train_sft(SFTConfig(model_name_or_path=str(models_dir / "base"), output_dir=str(sft_dir),
+                              overwrite_output_dir=True,
                               learning_rate=1e-3, **common),
                     task.sft_records(config.sft_records, seed=0), model=base, tokenizer=tokenizer)
     clock = stage_done("sft", clock)
     preference_records = task.preference_records(config.preference_records, seed=0)
     reward_model = train_reward_model(
-        RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), learning_rate=1e-3, eval_steps=0,
+        RewardConfig(model_name_or_path=str(sft_dir), output_dir=str(reward_dir), overwrite_output_dir=True,
+                     learning_rate=1e-3, eval_steps=0,
                      **common),
         preference_records, tokenizer=tokenizer)
     reward_model.requires_grad_(False).eval()
@@ -197,7 +199,7 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
     response_tokens = max_response_tokens(config.num_words)
     ppo_config = PPOConfig(
         model_name_or_path=str(models.sft_dir), reward_model_name_or_path=str(models.reward_dir),
-        output_dir=str(run_dir), seed=seed, save_steps=0, max_steps=config.ppo_steps,
+        output_dir=str(run_dir), overwrite_output_dir=True, seed=seed, save_steps=0, max_steps=config.ppo_steps,
         per_device_batch_size=prompts_per_step, mini_batch_size=config.ppo_batch_size // 2,
         learning_rate=config.ppo_learning_rate, critic_learning_rate=config.critic_learning_rate,
         kl_coef=config.kl_coef,
@@ -251,7 +253,8 @@ def _run_demo(config: DemoConfig) -> dict:
         for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
             run_dir = out / "runs" / "dpo" / f"seed{seed}"
             dpo_config = DPOConfig(
-                model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), seed=seed, save_steps=0,
+                model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), overwrite_output_dir=True,
+                seed=seed, save_steps=0,
                 max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
                 learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
                 max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
