@@ -76,8 +76,13 @@ def register_engine(name: str, factory: Callable[[], RolloutEngine]) -> None:
     ENGINES[name] = factory
 
 
-def get_engine(name: str) -> RolloutEngine:
-    """A new engine of the kind registered as `name`."""
+def engine_class(name: str) -> type:
+    """The engine class registered as `name` (a ValueError listing the registered ones otherwise)."""
     if name not in ENGINES:
         raise ValueError(f"rollout_engine must be one of {sorted(ENGINES)}, got {name!r}")
-    return ENGINES[name]()
+    return ENGINES[name]
+
+
+def get_engine(name: str) -> RolloutEngine:
+    """A new engine of the kind registered as `name`."""
+    return engine_class(name)()

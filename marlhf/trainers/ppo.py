@@ -51,7 +51,7 @@ from marlhf.advantages import kl_penalized_rewards, whiten
 from marlhf.config import TrainingConfig, option
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.data.records import require_fields
-from marlhf.engines import ENGINES, get_engine
+from marlhf.engines import engine_class, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
@@ -200,8 +200,7 @@ class PPOConfig(TrainingConfig):
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
-        if self.rollout_engine not in ENGINES:
-            raise ValueError(f"rollout_engine must be one of {sorted(ENGINES)}, got {self.rollout_engine!r}")
+        engine_class(self.rollout_engine)  # an unknown name stops here
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.loss_agg_mode != "token-mean" and self.segment_weighting != "tokens":
