@@ -72,15 +72,17 @@ def stage_rows(task: Task, stage: str, rows: Any, seed: int) -> Any:
     """
     if stage != "eval" and stage not in task.stage_fractions:
         raise ValueError(f"stage {stage!r} is not defined for task {task.name!r}; stages: {sorted(task.stage_fractions)} and 'eval'")
+    stage_index = list(task.stage_fractions).index(stage) if stage != "eval" else None
     if task.eval_split is None:
         train_part, heldout_part = split_indices(len(rows), (1 - task.heldout_fraction, task.heldout_fraction), seed)
         if stage == "eval":
-            return select(rows, heldout_part)
-        rows = select(rows, train_part)
-    elif stage == "eval":
+            return select(rows, sorted(heldout_part))
+        # The stages split the training part in its shuffled order (DeepSpeed-Chat's Subset of a Subset).
+        part = split_indices(len(train_part), tuple(task.stage_fractions.values()), seed)[stage_index]
+        return select(rows, sorted(train_part[i] for i in part))
+    if stage == "eval":
         return rows
-    parts = split_indices(len(rows), tuple(task.stage_fractions.values()), seed)
-    return select(rows, parts[list(task.stage_fractions).index(stage)])
+    return select(rows, sorted(split_indices(len(rows), tuple(task.stage_fractions.values()), seed)[stage_index]))
 
 
 def select(rows: Any, indices: list[int]) -> Any:

@@ -1,21 +1,53 @@
-"""The seeded stage split: deterministic, disjoint, covering, sized by the rounded fractions."""
+"""The seeded stage split: DeepSpeed-Chat's rule exactly (against a transcription of it), deterministic,
+disjoint, covering."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from marlhf.data import TASKS, split_indices
 from marlhf.data.loading import stage_rows
 
 
-@pytest.mark.parametrize("num_rows", [0, 1, 7, 10, 1000, 1001])
-def test_parts_are_disjoint_sorted_and_cover_every_row(num_rows):
-    parts = split_indices(num_rows, (0.2, 0.4, 0.4), seed=1234)
-    flat = [i for part in parts for i in part]
-    assert sorted(flat) == list(range(num_rows))
-    assert all(part == sorted(part) for part in parts)
-    bounds = [0, round(0.2 * num_rows), round(0.6 * num_rows), num_rows]
-    assert [len(p) for p in parts] == [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+def ds_chat_split_index(seed: int, data_split: str, split_index: int, data_size: int) -> list[int]:
+    """DeepSpeed-Chat's get_raw_dataset_split_index and get_shuffle_idx (dschat/utils/data/data_utils.py),
+    transcribed without the index files."""
+    splits = [float(s) for s in data_split.split(",")]
+    splits_sum = sum(splits)
+    splits = [split / splits_sum for split in splits]
+    splits_index = [0]
+    for index, split in enumerate(splits):
+        splits_index.append(splits_index[index] + int(round(split * float(data_size))))
+    diff = splits_index[-1] - data_size
+    for index in range(1, len(splits_index)):
+        splits_index[index] -= diff
+    assert splits_index[-1] == data_size
+    np_rng = np.random.RandomState(seed=seed)
+    shuffle_idx = np.arange(start=0, stop=data_size, step=1, dtype=np.uint32)
+    np_rng.shuffle(shuffle_idx)
+    return shuffle_idx[splits_index[split_index]:splits_index[split_index + 1]].tolist()
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 10, 15, 1000, 1001, 19578, 92858])
+@pytest.mark.parametrize("split", [("2,4,4", (0.2, 0.4, 0.4)), ("2,8", (0.2, 0.8)), ("95,5", (0.95, 0.05))])
+def test_parts_are_deepspeed_chats(num_rows, split):
+    data_split, fractions = split
+    parts = split_indices(num_rows, fractions, seed=1234)
+    assert parts == [ds_chat_split_index(1234, data_split, i, num_rows) for i in range(len(fractions))]
+    assert sorted(i for part in parts for i in part) == list(range(num_rows))
+
+
+def test_webgpt_stages_are_deepspeed_chats_subset_of_a_subset():
+    """WebGPT: the stages split the 95 % training part in its shuffled order. Of 19,578 rows, 18,599 train;
+    sizes round to 3,720 + 7,440 + 7,440 = 18,600, so every boundary moves back one: 3,719 SFT rows."""
+    task, rows = TASKS["webgpt"], list(range(19578))
+    train = ds_chat_split_index(1234, "95,5", 0, len(rows))
+    for index, stage in enumerate(("sft", "rm", "rl")):
+        expected = sorted(train[i] for i in ds_chat_split_index(1234, "2,4,4", index, len(train)))
+        assert stage_rows(task, stage, rows, seed=1234) == expected
+    assert len(stage_rows(task, "sft", rows, seed=1234)) == 3719
+    assert stage_rows(task, "eval", rows, seed=1234) == sorted(ds_chat_split_index(1234, "95,5", 1, len(rows)))
 
 
 def test_split_is_deterministic_and_depends_on_the_seed():
