@@ -91,17 +91,25 @@ def preference_to_stage(prompt: str, chosen: Callable[[], str], rejected: Callab
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-TLDR_PROMPT = "POST\nSubreddit: r/{subreddit}\n{post}\nTL;DR: "
+def tldr_prompt(info: dict[str, Any]) -> str:
+    """The authors' TL;DR prompt: ``POST`` (Reddit rows) or ``ARTICLE`` (the CNN/DM rows of the validation
+    split), a ``Subreddit: r/...`` line when there is a subreddit, the text, then ``TL;DR: ``; texts verbatim."""
+    for kind, name in (("POST", "post"), ("ARTICLE", "article")):
+        text = info.get(name)
+        if text is not None:
+            text = text_field(text, f"info.{name}")
+            subreddit = info.get("subreddit")
+            heading = f"Subreddit: r/{subreddit}\n" if isinstance(subreddit, str) else ""
+            return f"{kind}\n{heading}{text}\nTL;DR: "
+    raise SkipRow("info has neither post nor article")
 
 
 def tldr_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
-    """TL;DR comparison -> record. The prompt ends in ``"TL;DR: "``, so summaries are stripped of surrounding spaces."""
+    """TL;DR comparison -> record, as the authors' data code builds it (tldr_prompt; summaries verbatim)."""
     info = row.get("info")
     if not isinstance(info, dict):
         raise SkipRow("missing info")
-    post = text_field(info.get("post"), "info.post")
-    subreddit = text_field(info.get("subreddit"), "info.subreddit")
-    prompt = TLDR_PROMPT.format(subreddit=subreddit.strip(), post=post.strip())
+    prompt = tldr_prompt(info)
 
     def summary(preferred: bool) -> str:
         summaries = row.get("summaries")
@@ -110,7 +118,7 @@ def tldr_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
         choice = row.get("choice")
         if choice not in (0, 1):
             raise SkipRow("choice not 0 or 1")
-        return text_field((summaries[choice if preferred else 1 - choice] or {}).get("text"), "summaries.text").strip()
+        return text_field((summaries[choice if preferred else 1 - choice] or {}).get("text"), "summaries.text")
 
     return preference_to_stage(prompt, lambda: summary(True), lambda: summary(False), stage)
 
@@ -122,19 +130,19 @@ def hh_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
                                lambda: text_field(row.get("rejected"), "rejected"), stage)
 
 
-WEBGPT_PROMPT = "\n\nHuman: {question}\n\nAssistant:"
-# WebGPT answers cite their browsing quotes as "[1]" or "[1, 2]"; we train without the quotes, so the
-# markers are removed (DeepSpeed-Chat strips all bracketed text; numeric markers only is narrower).
-CITATION = re.compile(r"\s*\[\d+(?:\s*[,\-–]\s*\d+)*\]")
+WEBGPT_PROMPT = " Human: {question} Assistant:"  # the authors' (DeepSpeed-Chat's) template
+# Answers cite their browsing quotes ("[1]", "(source)"); the authors train without the quotes and remove
+# every bracketed or parenthesised span, with the space before it.
+CITATIONS = (re.compile(r" [\(\[].*?[\)\]]"), re.compile(r"[\(\[].*?[\)\]]"))
 
 
 def webgpt_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
-    """WebGPT comparison -> record, in HH-RLHF's dialogue format; a tie keeps answer_0 as the preferred one."""
+    """WebGPT comparison -> record, as the authors' data code builds it; a tie keeps answer_0 as the preferred
+    one (their ``>=``)."""
     question = row.get("question")
     if not isinstance(question, dict):
         raise SkipRow("missing question")
-    text = text_field(question.get("full_text"), "question.full_text")
-    prompt = WEBGPT_PROMPT.format(question=text.strip())
+    prompt = WEBGPT_PROMPT.format(question=text_field(question.get("full_text"), "question.full_text"))
 
     def answer(preferred: bool) -> str:
         scores = [row.get("score_0"), row.get("score_1")]
@@ -142,7 +150,10 @@ def webgpt_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
             raise SkipRow("missing score")
         winner = 0 if scores[0] >= scores[1] else 1
         index = winner if preferred else 1 - winner
-        return " " + CITATION.sub("", text_field(row.get(f"answer_{index}"), f"answer_{index}")).strip()
+        text = text_field(row.get(f"answer_{index}"), f"answer_{index}")
+        for citation in CITATIONS:
+            text = citation.sub("", text)
+        return " " + text_field(text, f"answer_{index} without its citations")
 
     return preference_to_stage(prompt, lambda: answer(True), lambda: answer(False), stage)
 

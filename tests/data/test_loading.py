@@ -90,8 +90,8 @@ def test_tldr_record_uses_the_paper_prompt_and_the_chosen_summary():
         "POST\nSubreddit: r/AskReddit\nWhat is a small habit that noticeably improved your mornings? "
         "I keep hitting snooze and feel rushed every day.\nTL;DR: "
     )
-    assert record["chosen"] == row["summaries"][1]["text"].strip()
-    assert record["rejected"] == row["summaries"][0]["text"].strip()
+    assert record["chosen"] == row["summaries"][1]["text"]  # verbatim, as the authors' data code
+    assert record["rejected"] == row["summaries"][0]["text"]
     assert TASKS["tldr"].to_record(row, "sft") == {"prompt": record["prompt"], "response": record["chosen"]}
     assert TASKS["tldr"].to_record(row, "eval") == {"prompt": record["prompt"], "reference": record["chosen"]}
 
@@ -99,10 +99,24 @@ def test_tldr_record_uses_the_paper_prompt_and_the_chosen_summary():
 def test_webgpt_record_picks_the_higher_score_and_drops_citation_markers():
     rows = read_rows(raw_path("webgpt"))
     record = TASKS["webgpt"].to_record(rows[0], "rm")  # score_0 = -1.0, so answer_1 wins
-    assert record["prompt"] == "\n\nHuman: Why do cats purr?\n\nAssistant:"
+    assert record["prompt"] == " Human: Why do cats purr? Assistant:"  # the authors' template
     assert record["chosen"] == " Cats purr by rapidly twitching the muscles of the larynx. They purr when content but also when stressed."
     assert record["rejected"] == " I am not sure."
     assert "[" not in TASKS["webgpt"].to_record(rows[7], "sft")["response"]  # "[1-3]"
+
+
+def test_tldr_and_webgpt_follow_the_authors_templates():
+    """CNN/DM rows (article, no post) are kept as ARTICLE prompts, rows without a subreddit lose only that
+    line, and WebGPT answers lose every bracketed or parenthesised span, as the authors' data code does."""
+    article = {"info": {"post": None, "article": "A long news story.", "subreddit": None},
+               "summaries": [{"text": " one"}, {"text": " two"}], "choice": 0}
+    assert TASKS["tldr"].to_record(article, "rl")["prompt"] == "ARTICLE\nA long news story.\nTL;DR: "
+    no_subreddit = {**article, "info": {"post": "My post.", "subreddit": None}}
+    assert TASKS["tldr"].to_record(no_subreddit, "sft") == {"prompt": "POST\nMy post.\nTL;DR: ", "response": " one"}
+    webgpt = {"question": {"full_text": "Why?"}, "score_0": 0.0, "score_1": 0.0,
+              "answer_0": "Because [1] of (see below) the [2, 3] sun.", "answer_1": "No."}
+    record = TASKS["webgpt"].to_record(webgpt, "rm")
+    assert record == {"prompt": " Human: Why? Assistant:", "chosen": " Because of the sun.", "rejected": " No."}
 
 
 def test_apps_records_carry_tests_for_rl_and_a_solution_for_sft():
@@ -121,10 +135,10 @@ def test_apps_records_carry_tests_for_rl_and_a_solution_for_sft():
 @pytest.mark.parametrize(
     ("task", "stage", "expected_skips"),
     [
-        ("tldr", "rm", {"missing info.post": 1, "empty summaries.text": 1}),
-        ("tldr", "rl", {"missing info.post": 1}),  # RL needs only the prompt
-        ("tldr", "sft", {"missing info.post": 1}),  # the empty summary is the rejected one
-        ("tldr", "eval", {"missing info.post": 1, "duplicate prompt": 1}),
+        ("tldr", "rm", {"empty summaries.text": 1}),  # the CNN/DM row is kept, as an ARTICLE prompt
+        ("tldr", "rl", {}),  # RL needs only the prompt
+        ("tldr", "sft", {}),  # the empty summary is the rejected one
+        ("tldr", "eval", {"duplicate prompt": 1}),
         ("hh", "sft", {"empty chosen": 1}),  # SFT needs only the chosen response
         ("hh", "rm", {"empty chosen": 1, "missing rejected": 1, "chosen and rejected identical": 1}),
         ("hh", "rl", {}),
@@ -212,6 +226,6 @@ def test_stages_check_only_what_they_use_and_webgpt_ties_prefer_answer_0():
         hh_to_record(row, "rm")
     tie = {"question": {"full_text": "Why?"}, "answer_0": "Because [1].", "answer_1": "No.", "score_0": 0.0,
            "score_1": 0.0}
-    assert webgpt_to_record(tie, "rm") == {"prompt": "\n\nHuman: Why?\n\nAssistant:", "chosen": " Because.",
+    assert webgpt_to_record(tie, "rm") == {"prompt": " Human: Why? Assistant:", "chosen": " Because.",
                                            "rejected": " No."}
     assert webgpt_to_record({**tie, "score_1": 1.0}, "rm")["chosen"] == " No."
