@@ -36,10 +36,18 @@ def resolve_task(dataset: str, task: str | None) -> Task | None:
 
 
 def load_hub_split(task: Task, split: str) -> Any:
-    """One split of a task's Hub dataset, as a ``datasets.Dataset`` (downloads on first use, then cached)."""
+    """One split of a task's Hub dataset, as a ``datasets.Dataset`` (downloads on first use, then cached),
+    with the row count the paper's data has: a partial Parquet export (a bot maintains it) or a wrong
+    ``data_dir`` (APPS without ``all`` doubles its rows) stops here instead of training on other data."""
     import datasets
 
-    return datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
+    rows = datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
+    expected = task.expected_rows.get(split)
+    if expected is not None and len(rows) != expected:
+        where = ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
+        raise ValueError(f"{task.hub_id} ({where}) split {split!r} has {len(rows)} rows, the paper's data has "
+                         f"{expected}: a partial or changed Parquet export, or another data_dir")
+    return rows
 
 
 def convert_rows(task: Task, rows: Iterable[dict[str, Any]], stage: str) -> tuple[list[dict[str, Any]], Counter]:

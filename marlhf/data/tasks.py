@@ -59,6 +59,7 @@ class Task:
     to_record: Callable[[dict[str, Any], str], dict[str, Any]]
     heldout_fraction: float | None = None
     description: str = field(default="", compare=False)
+    expected_rows: dict[str, int] = field(default_factory=dict, compare=False)  # rows per Hub split, checked
 
 
 def text_field(value: Any, name: str) -> str:
@@ -212,6 +213,7 @@ TASKS: dict[str, Task] = {
             stage_fractions=PREFERENCE_STAGE_FRACTIONS,
             to_record=tldr_to_record,
             description="Reddit TL;DR summarisation comparisons",
+            expected_rows={"train": 92858, "validation": 86086},
         ),
         Task(
             name="hh",
@@ -222,6 +224,7 @@ TASKS: dict[str, Task] = {
             stage_fractions=PREFERENCE_STAGE_FRACTIONS,
             to_record=hh_to_record,
             description="Anthropic HH-RLHF dialogues",
+            expected_rows={"train": 112052, "test": 12451},
         ),
         Task(
             name="webgpt",
@@ -233,6 +236,7 @@ TASKS: dict[str, Task] = {
             stage_fractions=PREFERENCE_STAGE_FRACTIONS,
             to_record=webgpt_to_record,
             description="WebGPT long-form question answering comparisons",
+            expected_rows={"train": 19578},
         ),
         Task(
             name="apps",
@@ -243,6 +247,7 @@ TASKS: dict[str, Task] = {
             stage_fractions=APPS_STAGE_FRACTIONS,
             to_record=apps_to_record,
             description="APPS Python programming problems with unit tests",
+            expected_rows={"train": 5000, "test": 5000},
         ),
     )
 }

@@ -210,6 +210,12 @@ def test_hub_id_reads_the_right_split_and_matches_the_local_raw_file(monkeypatch
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     hub_id = TASKS[task].hub_id
+    import dataclasses
+
+    from marlhf.data import tasks as task_table
+
+    fixture_sized = dataclasses.replace(TASKS[task], expected_rows={split: len(read_rows(raw_path(task)))})
+    monkeypatch.setitem(task_table.TASKS_BY_HUB_ID, hub_id, fixture_sized)  # the fixture is not the full split
     records = load_records(hub_id, stage)
     assert calls == [(hub_id, {"split": split, **TASKS[task].hub_kwargs})]
     assert records == load_records(raw_path(task), stage, task=task)
@@ -229,3 +235,23 @@ def test_stages_check_only_what_they_use_and_webgpt_ties_prefer_answer_0():
     assert webgpt_to_record(tie, "rm") == {"prompt": " Human: Why? Assistant:", "chosen": " Because.",
                                            "rejected": " No."}
     assert webgpt_to_record({**tie, "score_1": 1.0}, "rm")["chosen"] == " No."
+
+
+def test_hub_exports_are_checked_by_their_row_counts(tmp_path):
+    """The Hub's Parquet export layout ({data_dir}/{split}/0000.parquet), loaded through the real
+    datasets.load_dataset path: the right count passes, another is an error naming dataset, revision and counts."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from marlhf.data.loading import load_hub_split
+
+    rows = read_rows(raw_path("tldr"))
+    (tmp_path / "comparisons" / "train").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "comparisons" / "train" / "0000.parquet")
+    task = dataclasses.replace(TASKS["tldr"], hub_id=str(tmp_path), expected_rows={"train": len(rows)})
+    assert len(load_hub_split(task, "train")) == len(rows)
+    partial = dataclasses.replace(task, expected_rows={"train": 92858})
+    with pytest.raises(ValueError, match=rf"revision='refs/convert/parquet'.*has {len(rows)} rows.*has 92858"):
+        load_hub_split(partial, "train")
