@@ -54,9 +54,11 @@ def convert_rows(task: Task, rows: Iterable[dict[str, Any]], stage: str) -> tupl
     """Records of ``stage`` from raw rows of ``task``, and the count of skipped rows per reason.
 
     For ``eval`` a prompt already seen is skipped too (TL;DR has several comparisons per post), so each
-    evaluation prompt is scored once. ``rl`` keeps one prompt per comparison, as the released code does.
+    evaluation prompt is scored once (an APPS problem: once per ``problem_id``). ``rl`` keeps one prompt per
+    comparison, as the released code does; an APPS prompt seen before with other unit tests is skipped, since
+    the code reward finds a prompt's tests by its text.
     """
-    records, skipped, seen_prompts = [], Counter(), set()
+    records, skipped, seen_prompts, tests_of_prompt = [], Counter(), set(), {}
     for row in tqdm(rows, desc=f"{task.name} {stage} records", disable=None, leave=False):
         try:
             record = task.to_record(row, stage)
@@ -64,10 +66,15 @@ def convert_rows(task: Task, rows: Iterable[dict[str, Any]], stage: str) -> tupl
             skipped[str(reason)] += 1
             continue
         if stage == "eval":
-            if record["prompt"] in seen_prompts:
-                skipped["duplicate prompt"] += 1
+            key = record.get("problem_id", record["prompt"])
+            if key in seen_prompts:
+                skipped["duplicate problem" if "problem_id" in record else "duplicate prompt"] += 1
                 continue
-            seen_prompts.add(record["prompt"])
+            seen_prompts.add(key)
+        if "input_output" in record and tests_of_prompt.setdefault(record["prompt"], record["input_output"]) != \
+                record["input_output"]:
+            skipped["prompt repeated with other unit tests"] += 1
+            continue
         records.append(record)
     return records, skipped
 

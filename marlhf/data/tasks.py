@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from marlhf.rewards.code import parse_tests
+
 PREFERENCE_STAGE_FRACTIONS = {"sft": 0.2, "rm": 0.4, "rl": 0.4}
 APPS_STAGE_FRACTIONS = {"sft": 0.2, "rl": 0.8}  # no "rm": APPS is rewarded by running unit tests
 
@@ -192,6 +194,10 @@ def apps_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
         return {"prompt": prompt, "response": solutions[0]}
     if not tests.get("inputs") or not tests.get("outputs"):
         raise SkipRow("no unit tests")
+    try:
+        parse_tests(tests)
+    except ValueError as error:
+        raise SkipRow(f"unit tests unusable ({error})") from None
     return {
         "prompt": prompt,
         "input_output": input_output_text,

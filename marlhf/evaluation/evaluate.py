@@ -48,7 +48,8 @@ class EvaluateConfig(ConfigBase):
     dataset: str = option("openai/summarize_from_feedback", "dataset id or local .jsonl/.parquet path ('eval' records)")
     dataset_task: Literal["tldr", "hh", "webgpt", "apps"] | None = option(
         None, "a local dataset file holds raw rows of this task's Hub schema (none: rows already in the eval schema)")
-    num_samples: int = option(2000, "validation prompts drawn with `seed` (the paper: 2,000)", ge=1)
+    num_samples: int | None = option(
+        None, "evaluation prompts drawn with `seed` (none: the paper's, 2,000, or every APPS test problem)", ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("float32", "dtype to load the models in")
     batch_size: int = option(16, "sequences per generation / scoring batch", ge=1)
     max_prompt_length: int = option(512, "prompts are truncated to their last N tokens", ge=1)
@@ -250,12 +251,20 @@ def run_evaluation(config: EvaluateConfig, records: list[dict[str, Any]] | None 
     return result
 
 
+PAPER_EVAL_PROMPTS = 2000  # the paper's evaluation prompts on TL;DR, HH and WebGPT (APPS: all 5,000 problems)
+
+
+def _is_apps(config: EvaluateConfig) -> bool:
+    return config.dataset_task == "apps" or config.dataset == "codeparrot/apps"
+
+
 def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, device: torch.device) -> dict[str, Any]:
     if records is None:
         from marlhf.data import load_records
 
         records = load_records(config.dataset, "eval", task=config.dataset_task, seed=config.seed,
-                               max_samples=config.num_samples)
+                               max_samples=config.num_samples if config.num_samples is not None else
+                               None if _is_apps(config) else PAPER_EVAL_PROMPTS)
     if not records:
         raise ValueError("no evaluation records")
     prompts = [r["prompt"] for r in records]

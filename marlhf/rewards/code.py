@@ -114,7 +114,7 @@ def code_reward(
       ``ceil(timeout_s) + 1`` s). After a timeout the remaining tests are not run and count as
       failed, so a program that never terminates costs one timeout, not one per test.
     """
-    inputs, outputs, fn_name = _parse_tests(input_output)
+    inputs, outputs, fn_name = parse_tests(input_output)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     isolation = _isolation()
@@ -163,7 +163,9 @@ def code_rewards(
         return list(pool.map(lambda args: code_reward(*args, timeout_s, limits), zip(programs, input_outputs)))
 
 
-def _parse_tests(input_output: dict) -> tuple[list, list, str | None]:
+def parse_tests(input_output: dict) -> tuple[list, list, str | None]:
+    """(inputs, outputs, fn_name) of an APPS ``input_output`` dict; a ValueError when code_reward cannot run it
+    (the loader skips such rows, so a run never stops on one)."""
     if not isinstance(input_output, dict) or "inputs" not in input_output or "outputs" not in input_output:
         raise ValueError("input_output must be a dict with 'inputs' and 'outputs' lists")
     inputs, outputs = input_output["inputs"], input_output["outputs"]

@@ -255,3 +255,27 @@ def test_hub_exports_are_checked_by_their_row_counts(tmp_path):
     partial = dataclasses.replace(task, expected_rows={"train": 92858})
     with pytest.raises(ValueError, match=rf"revision='refs/convert/parquet'.*has {len(rows)} rows.*has 92858"):
         load_hub_split(partial, "train")
+
+
+def test_apps_rows_the_code_reward_cannot_run_are_skipped_at_load():
+    """Mismatched tests, call-based tests without argument lists, and a prompt repeated with other tests are
+    skipped and counted at load, never a crash mid-run; evaluation keeps one record per problem_id."""
+    from marlhf.data.loading import convert_rows
+
+    def row(problem_id, question, inputs, outputs, fn_name=None):
+        tests = {"inputs": inputs, "outputs": outputs, **({"fn_name": fn_name} if fn_name else {})}
+        return {"problem_id": problem_id, "question": question, "starter_code": "", "difficulty": "interview",
+                "input_output": json.dumps(tests), "solutions": json.dumps(["print(1)"])}
+
+    rows = [row(1, "Add.", ["1 2\n"], ["3\n"]), row(2, "Mismatch.", ["1\n", "2\n"], ["1\n"]),
+            row(3, "Call.", ["5"], [True], fn_name="f"), row(4, "Add.", ["2 2\n"], ["4\n"]),
+            row(1, "Add.", ["1 2\n"], ["3\n"])]
+    records, skipped = convert_rows(TASKS["apps"], rows, "rl")
+    assert [r["problem_id"] for r in records] == [1, 1]
+    assert skipped == {"unit tests unusable (input_output needs as many outputs as inputs and at least one test, "
+                       "got 2 and 1)": 1,
+                       "unit tests unusable (input_output['inputs'] must be lists of arguments when fn_name is "
+                       "given)": 1,
+                       "prompt repeated with other unit tests": 1}
+    records, skipped = convert_rows(TASKS["apps"], rows, "eval")
+    assert [r["problem_id"] for r in records] == [1] and skipped["duplicate problem"] == 1
