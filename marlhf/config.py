@@ -305,6 +305,9 @@ class TrainingConfig(RunConfig):
     dataset_task: Literal["tldr", "hh", "webgpt", "apps"] | None = option(
         None, "a local dataset file holds raw rows of this task's Hub schema (none: rows already in the stage schema)")
     max_samples: int | None = option(None, "use at most N records of the dataset (none: all)", ge=1)
+    webgpt_ties: Literal["answer_0", "skip"] = option(
+        "answer_0", "WebGPT comparisons scored as ties: kept with answer_0 preferred (the authors' code) or skipped "
+                    "by SFT and reward modelling")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("float32", "dtype to load the model weights in")
     gradient_checkpointing: bool = option(False, "trade compute for memory in the transformer blocks")
     learning_rate: float = option(1e-5, "peak AdamW learning rate", gt=0)

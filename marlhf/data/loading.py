@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import random
 from collections import Counter
@@ -14,7 +16,7 @@ from tqdm import tqdm
 
 from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows
 from marlhf.data.splits import split_indices
-from marlhf.data.tasks import TASKS, TASKS_BY_HUB_ID, SkipRow, Task
+from marlhf.data.tasks import TASKS, TASKS_BY_HUB_ID, WEBGPT_TIES, SkipRow, Task, webgpt_to_record
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ def load_records(
     task: str | None = None,
     seed: int = 1234,
     max_samples: int | None = None,
+    webgpt_ties: str = "answer_0",
 ) -> list[dict[str, Any]]:
     """Records of ``stage`` ("sft", "rm", "rl" or "eval") from ``dataset``.
 
@@ -138,9 +141,15 @@ def load_records(
 
     Raw rows that cannot make a record are skipped and counted per reason in a logged warning.
     ``max_samples`` keeps a random subset drawn with ``seed`` (e.g. the paper's 2,000 evaluation prompts).
+    ``webgpt_ties``: WebGPT comparisons scored as a tie keep ``answer_0`` as preferred ("answer_0", the
+    authors' ``>=``) or are skipped by the stages that use the pair ("skip": SFT and reward modelling).
     """
     check_stage(stage)
+    if webgpt_ties not in WEBGPT_TIES:
+        raise ValueError(f"webgpt_ties must be one of {list(WEBGPT_TIES)}, got {webgpt_ties!r}")
     resolved = resolve_task(dataset, task)
+    if resolved is not None and resolved.name == "webgpt" and webgpt_ties != "answer_0":
+        resolved = dataclasses.replace(resolved, to_record=functools.partial(webgpt_to_record, ties=webgpt_ties))
     if resolved is None:
         records = read_rows(dataset)
         check_stage_records(records, stage, source=dataset)

@@ -139,9 +139,12 @@ WEBGPT_PROMPT = " Human: {question} Assistant:"  # the authors' (DeepSpeed-Chat'
 CITATIONS = (re.compile(r" [\(\[].*?[\)\]]"), re.compile(r"[\(\[].*?[\)\]]"))
 
 
-def webgpt_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
+WEBGPT_TIES = ("answer_0", "skip")
+
+
+def webgpt_to_record(row: dict[str, Any], stage: str, ties: str = "answer_0") -> dict[str, Any]:
     """WebGPT comparison -> record, as the authors' data code builds it; a tie keeps answer_0 as the preferred
-    one (their ``>=``)."""
+    one (their ``>=``), or with ``ties="skip"`` is skipped where the pair is used (SFT, reward modelling)."""
     question = row.get("question")
     if not isinstance(question, dict):
         raise SkipRow("missing question")
@@ -151,6 +154,8 @@ def webgpt_to_record(row: dict[str, Any], stage: str) -> dict[str, Any]:
         scores = [row.get("score_0"), row.get("score_1")]
         if any(not isinstance(s, (int, float)) for s in scores):
             raise SkipRow("missing score")
+        if ties == "skip" and scores[0] == scores[1]:
+            raise SkipRow("tie (webgpt_ties='skip')")
         winner = 0 if scores[0] >= scores[1] else 1
         index = winner if preferred else 1 - winner
         text = text_field(row.get(f"answer_{index}"), f"answer_{index}")

@@ -75,7 +75,7 @@ def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, An
     )
 
     return load_records(config.dataset, stage, task=config.dataset_task, seed=config.seed,
-                        max_samples=config.max_samples)
+                        max_samples=config.max_samples, webgpt_ties=config.webgpt_ties)
 
 
 # Options a resumed run may change without changing what the run computes (the rest need allow_config_change).

@@ -279,3 +279,22 @@ def test_apps_rows_the_code_reward_cannot_run_are_skipped_at_load():
                        "prompt repeated with other unit tests": 1}
     records, skipped = convert_rows(TASKS["apps"], rows, "eval")
     assert [r["problem_id"] for r in records] == [1] and skipped["duplicate problem"] == 1
+
+
+def test_webgpt_ties_policy_is_an_option(tmp_path):
+    """Default: a tie keeps answer_0 preferred (the authors'); "skip": SFT and reward modelling drop ties,
+    RL and evaluation keep their prompts."""
+    rows = [{"question": {"full_text": f"Question {i}?"}, "answer_0": f"Yes {i}.", "answer_1": f"No {i}.",
+             "score_0": 0.0 if i % 2 else 1.0, "score_1": 0.0 if i % 2 else -1.0} for i in range(60)]
+    path = tmp_path / "webgpt.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for stage in ("sft", "rm", "rl", "eval"):
+        kept = load_records(str(path), stage, task="webgpt")
+        skipping = load_records(str(path), stage, task="webgpt", webgpt_ties="skip")
+        if stage in ("sft", "rm"):
+            assert 0 < len(skipping) < len(kept), stage
+            assert all(int(r["prompt"].split()[2].rstrip("?")) % 2 == 0 for r in skipping)  # no tie left
+        else:  # the same prompts (a tie's evaluation reference is then None: no answer is preferred)
+            assert [r["prompt"] for r in skipping] == [r["prompt"] for r in kept], stage
+    with pytest.raises(ValueError, match="webgpt_ties"):
+        load_records(str(path), "rm", task="webgpt", webgpt_ties="chosen")
