@@ -29,7 +29,7 @@ from marlhf.segments import (
 )
 
 ValueWeighting = Literal["equal", "unit", "position", "first"]
-SegmentReward = Literal["sum", "mean"]
+SegmentReward = Literal["sum", "mean", "weighted"]
 
 __all__ = [
     "kl_penalized_rewards",
@@ -210,21 +210,25 @@ def macro_gae(
     Args:
         rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
         value_weighting: how token values form a segment value (see :func:`segment_weights`).
-        segment_reward: "sum" (the paper) or "mean" (the released code, which shrinks the KL
-            penalty by about 1/|tau|).
+        segment_reward: "sum" (the paper), "mean" (the released code with `equal`, which shrinks the KL
+            penalty by about 1/|tau|) or "weighted" (the released code in general: the token rewards weighted
+            by the value weighting's sigma, as its segment values are; with `equal` it is "mean"; the released
+            `position` weights 1/(i+1), earliest token heaviest, which marlhf does not offer: SPEC.md).
     Returns:
         (advantages, returns): float [B, T]; every token of segment tau carries A_tau and Q_tau;
         0 on padding.
     """
     _check_gae_args(rewards, values, mask, gamma, lam)
     check_segment_ids(segment_ids, mask)
-    if segment_reward not in ("sum", "mean"):
-        raise ValueError(f"`segment_reward` must be 'sum' or 'mean', got {segment_reward!r}")
+    if segment_reward not in ("sum", "mean", "weighted"):
+        raise ValueError(f"`segment_reward` must be 'sum', 'mean' or 'weighted', got {segment_reward!r}")
     lengths = segment_lengths(segment_ids)  # [B, S]
     if segment_reward == "sum":
         seg_rewards = segment_sum(rewards, segment_ids, lengths.shape[1])
-    else:
+    elif segment_reward == "mean":
         seg_rewards = segment_mean(rewards, segment_ids, lengths)
+    else:
+        seg_rewards = segment_values(rewards, segment_ids, value_weighting, lengths)
     seg_values = segment_values(values, segment_ids, value_weighting, lengths)  # 0 on missing segments
     next_values = torch.cat([seg_values[:, 1:], seg_values.new_zeros(seg_values.shape[0], 1)], dim=1)
     deltas = seg_rewards + gamma * next_values - seg_values  # 0 on missing segments

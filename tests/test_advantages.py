@@ -211,3 +211,32 @@ def test_whiten():
 def test_num_segments_of_macro_layouts():
     mask, lengths = random_batch(5, 12, torch.Generator().manual_seed(0))
     assert num_segments(fixed_ngram(mask, 5)).tolist() == [-(-n // 5) for n in lengths]
+
+
+def test_weighted_segment_reward_is_the_released_modeling_macro_action():
+    """The released code forms a segment's reward like its value: sum_i sigma_i r_i with the value weighting's
+    sigma (its modeling_macro_action, transcribed here for equal and unit); gamma = lam = 1."""
+    rewards = torch.tensor([[0.5, -1.0, 2.0, 0.25, 3.0]], dtype=torch.double)
+    values = torch.tensor([[1.0, 0.5, -0.5, 2.0, 1.5]], dtype=torch.double)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    pieces = [[0, 1], [2, 3, 4]]
+
+    def released(variables, weighting):
+        out = []
+        for piece in pieces:
+            part = variables[0, piece]
+            sigma = torch.full_like(part, 1.0 / len(piece)) if weighting == "equal" else torch.zeros_like(part)
+            if weighting == "unit":
+                sigma[-1] = 1.0
+            out.append(float((part * sigma).sum()))
+        return out
+
+    for weighting in ("equal", "unit"):
+        seg_rewards, seg_values = released(rewards, weighting), released(values, weighting)
+        expected = [seg_rewards[0] + seg_rewards[1] - seg_values[0], seg_rewards[1] - seg_values[1]]
+        advantages, _ = macro_gae(rewards, values, mask, ids, 1.0, 1.0, weighting, "weighted")
+        assert advantages[0, [0, 2]].tolist() == pytest.approx(expected)
+    equal_mean, _ = macro_gae(rewards, values, mask, ids, 1.0, 0.9, "equal", "mean")
+    equal_weighted, _ = macro_gae(rewards, values, mask, ids, 1.0, 0.9, "equal", "weighted")
+    torch.testing.assert_close(equal_weighted, equal_mean)

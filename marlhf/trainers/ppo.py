@@ -143,8 +143,9 @@ class PPOConfig(TrainingConfig):
         "equal", "a macro action's value from its token values: equal weights, the last token only (unit), "
                  "weights growing towards the last token (position), or the first token's, the value of the state "
                  "where the macro action starts (first; not in the paper)")
-    segment_reward: Literal["sum", "mean"] = option(
-        "sum", "reward of a macro action: sum of its token rewards (paper) or their mean (released code)")
+    segment_reward: Literal["sum", "mean", "weighted"] = option(
+        "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
+               "values), or weighted like its value (released code: value_weighting's weights)")
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
 
     # Losses.
