@@ -255,3 +255,38 @@ def test_core_functions_on_huge_finite_inputs_name_the_problem():
     with pytest.raises(ValueError, match="`kl_coef` must be a finite number"):
         kl_penalized_rewards(torch.zeros(2), zeros, zeros, mask, float("nan"))
     assert torch.isfinite(macro_gae(torch.full((2, 6), 1e30), zeros, mask, ids)[0]).all()  # large is fine
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs mount point (mount needs root; skipped where it cannot be made), unmounted afterwards."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode})")
+
+    def resize(size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(mount_point)], check=True)
+
+    yield mount_point, resize
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def test_a_full_disk_loses_nothing_already_saved(tmp_path, small_disk, make_tiny_causal_lm, tiny_tokenizer,
+                                                 tiny_records):
+    disk, resize = small_disk
+    train_sft(_sft(tmp_path, output_dir=str(tmp_path / "measure"), max_steps=1), tiny_records["sft"],
+              model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+    checkpoint_bytes = sum(f.stat().st_size for f in (tmp_path / "measure" / "checkpoint-1").rglob("*") if f.is_file())
+    resize(int(checkpoint_bytes * 1.6))  # room for checkpoint-1, not for checkpoint-2
+    config = _sft(tmp_path, output_dir=str(disk / "sft"))
+    with pytest.raises(Exception, match="No space left on device"):  # OSError, or safetensors' error saying so
+        train_sft(config, tiny_records["sft"], model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+    assert checkpoint_problem(disk / "sft" / "checkpoint-1") is None
+    assert resolve_resume("latest", disk / "sft") == disk / "sft" / "checkpoint-1"
+    resize(int(checkpoint_bytes * 8))
+    train_sft(_sft(tmp_path, output_dir=str(disk / "sft"), resume="latest"), tiny_records["sft"],
+              model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
+    assert [m["step"] for m in read_metrics(disk / "sft")] == [1, 2, 3]

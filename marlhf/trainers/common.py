@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def _lock_output_dir(output_dir: Path, accelerator: Accelerator) -> OutputDirLoc
         except ValueError as error:
             problem = str(error)
         else:
-            for leftover in output_dir.glob(".tmp-checkpoint-*"):
+            for leftover in [*output_dir.glob(".tmp-checkpoint-*"), output_dir / FINAL_MODEL_TMP]:
                 shutil.rmtree(leftover, ignore_errors=True)
     failed = torch.tensor([0 if not problem else 1], device=accelerator.device)
     if accelerator.num_processes > 1:
@@ -192,13 +193,24 @@ def maybe_save_checkpoint(config: RunConfig, step: int, accelerator: Accelerator
                         config_yaml=config.to_yaml())
 
 
+FINAL_MODEL_TMP = ".tmp-final-model"
+
+
 def save_final_model(model: torch.nn.Module, tokenizer, directory: str | Path, accelerator: Accelerator) -> None:
+    """Write the model and tokenizer into `directory`: first into a temporary folder, then each file renamed
+    into place with config.json last, so a crash never leaves a config.json beside partial weights."""
     accelerator.wait_for_everyone()
     # Collective: under FSDP each process holds a shard of the weights, gathered here into the main process's copy.
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(directory, state_dict=state_dict)
-        tokenizer.save_pretrained(directory)
+        directory = Path(directory)
+        tmp = directory / FINAL_MODEL_TMP
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        for file in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(file, directory / file.name)
+        tmp.rmdir()
     accelerator.wait_for_everyone()
 
 
