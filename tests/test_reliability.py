@@ -192,6 +192,8 @@ def test_non_finite_numbers_and_huge_rewards(tmp_path, make_tiny_causal_lm, tiny
     for option in ("learning_rate", "kl_coef", "temperature"):
         with pytest.raises(ValueError, match=f"{option} must be a finite number"):
             PPOConfig(**{option: float("inf")})
+    with pytest.raises(ValueError, match="temperature must be >= 0.01"):
+        PPOConfig(temperature=1e-45)  # logits / 1e-45 overflow
     config = PPOConfig(output_dir=str(tmp_path / "ppo"), model_name_or_path="unused", per_device_batch_size=4,
                        mini_batch_size=4, max_prompt_length=32, max_response_length=8, max_length=64, max_steps=3,
                        save_steps=1, seed=3, warmup_ratio=0.0)

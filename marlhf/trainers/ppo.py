@@ -106,7 +106,8 @@ class PPOConfig(TrainingConfig):
     max_length: int = option(1024, "context budget: must hold max_prompt_length + max_response_length", ge=2)
 
     # Sampling. Log-probs are taken under logits / temperature, the distribution the tokens came from.
-    temperature: float = option(0.8, "sampling temperature", gt=0)
+    temperature: float = option(0.8, "sampling temperature (>= 0.01: below it logits / temperature overflow the "
+                                     "log-probs)", ge=0.01)
     top_k: int = option(50, "sample from the k most likely tokens (0: no top-k)", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
 
