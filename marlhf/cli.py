@@ -3,13 +3,18 @@
 Each subcommand builds its trainer's config from the YAML file and the flags (flags win), then calls the
 trainer, which reads its records through marlhf.data.load_records(--dataset). `marlhf COMMAND --help`
 lists every option with its default. A trainer module is imported only when its command runs.
+
+The console shows marlhf's own progress bars and messages; the libraries' (transformers' "Loading weights",
+datasets' and the Hub's bars, their info messages and deprecation warnings) are silenced unless `--verbose`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 from marlhf.demo.command import DEMO
 from marlhf.evaluation.commands import TOOLS
@@ -33,6 +38,8 @@ COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser; only `command`'s subparser gets its options (importing its trainer)."""
     parser = argparse.ArgumentParser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the libraries' progress bars, info messages and warnings (any position)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, config_name, _, description) in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=description, description=description)
@@ -53,8 +60,29 @@ def _config_class(parser: argparse.ArgumentParser, module_name: str, config_name
     return getattr(module, config_name)
 
 
+def quiet_libraries(verbose: bool) -> None:
+    """Silence transformers', datasets' and the Hub's progress bars, info messages and warnings (not errors),
+    unless `verbose`."""
+    if verbose:
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import transformers.utils.logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    for module in ("transformers", "accelerate", "datasets", "peft"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    verbose = "--verbose" in argv
+    argv = [argument for argument in argv if argument != "--verbose"]
+    quiet_libraries(verbose)
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(command)
     arguments = parser.parse_args(argv)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,30 @@ def test_python_dash_m_marlhf():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert all(command in result.stdout for command in ("sft", "reward", "dpo", "ppo"))
+
+
+def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_model_dir, tiny_records):
+    import warnings
+
+    import transformers.utils.logging as transformers_logging
+
+    from marlhf.cli import main
+
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(name, raising=False)
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    argv = ["sft", "--model_name_or_path", str(tiny_model_dir), "--dataset", str(records), "--max_steps", "1",
+            "--save_steps", "0", "--max_prompt_length", "32", "--max_length", "64"]
+    transformers_logging.enable_progress_bar()  # as a fresh process has it (earlier tests ran main quietly)
+    with warnings.catch_warnings():
+        try:
+            assert main(["--verbose", *argv, "--output_dir", str(tmp_path / "loud")]) == 0
+            assert transformers_logging.is_progress_bar_enabled()
+            assert main([*argv, "--output_dir", str(tmp_path / "quiet")]) == 0
+            assert not transformers_logging.is_progress_bar_enabled()
+            assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+            assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+        finally:
+            transformers_logging.enable_progress_bar()
+            transformers_logging.set_verbosity_warning()
