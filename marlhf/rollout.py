@@ -267,6 +267,7 @@ def score_responses(
     prompts: list[str] | None = None,
     tokenizer=None,
     chunk_size: int | None = None,
+    reward_kwargs: dict[str, list] | None = None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
     reference log-probs, critic values (when there is a critic) and one score per response, from
@@ -274,7 +275,8 @@ def score_responses(
 
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
-    `values`. Given tensors are stored detached. Models see `chunk_size` rows at a time (None: all), rows of
+    `values`. Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to `reward_fn`
+    as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a time (None: all), rows of
     similar length together with their common padding cut (forward_in_chunks)."""
     if (policy is None) == (logprobs is None):
         raise ValueError("give exactly one of `policy` and `logprobs`")
@@ -306,7 +308,8 @@ def score_responses(
         scores = run(lambda *rows: reward_model.score(*_sequence(*rows)))
     else:
         responses = decode_responses(tokenizer, response_ids, response_mask)
-        scores = torch.tensor([float(s) for s in reward_fn(prompts, responses)], device=query_ids.device)
+        scores = torch.tensor([float(s) for s in reward_fn(prompts, responses, **(reward_kwargs or {}))],
+                              device=query_ids.device)
         if scores.shape != (len(responses),):
             raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
     return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths)

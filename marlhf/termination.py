@@ -11,12 +11,12 @@ registering, by its dotted path on the command line: ``--termination my_pkg.rule
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from marlhf.imports import import_function
 from marlhf.segments import fixed_ngram, parsing, perplexity, randomized_ngram, word_starts, words
 
 __all__ = ["SegmentationBatch", "TERMINATION_RULES", "register_termination", "get_termination", "segment"]
@@ -65,17 +65,10 @@ def get_termination(spec: str) -> Rule:
     """The rule registered as `spec`, or the function at the dotted path `package.module:function`."""
     if spec in TERMINATION_RULES:
         return TERMINATION_RULES[spec]
-    module_name, _, function_name = spec.partition(":")
-    if not function_name:
+    if ":" not in spec:
         raise ValueError(f"termination must be one of {sorted(TERMINATION_RULES)} or a dotted path "
                          f"'package.module:function', got {spec!r}")
-    try:
-        rule = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"termination {spec!r}: cannot import it ({error})") from None
-    if not callable(rule):
-        raise ValueError(f"termination {spec!r} is not a function")
-    return rule
+    return import_function(spec, "termination")
 
 
 def segment(spec: str, batch: SegmentationBatch) -> tuple[torch.Tensor, dict[str, float]]:

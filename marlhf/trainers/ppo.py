@@ -4,7 +4,9 @@
 
 Models: the policy and a frozen reference both start from the SFT model; the critic starts from the
 reward model (a ScalarHeadModel); the reward model is frozen. A reward function
-`reward_fn(prompts, responses) -> scores` (a gold reward, unit tests) can replace the reward model;
+`reward_fn(prompts, responses) -> scores` (a gold reward, unit tests), or a list of them, or `reward_fns` by
+dotted path in TRL's convention `fn(prompts, completions, **record_fields)` (marlhf.rewards.functions), can
+replace the reward model;
 the critic then starts from the reward model if one is named, else from the SFT model with a fresh
 value head.
 
@@ -52,6 +54,7 @@ from marlhf.config import TrainingConfig, option
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.data.records import require_fields
 from marlhf.engines import engine_class, get_engine
+from marlhf.imports import import_function
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
@@ -59,6 +62,7 @@ from marlhf.metrics import row_l2, token_repetition
 from marlhf.modeling import (AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm, load_tokenizer, merge_lora,
                              pad_sequences)
 from marlhf.rewards import code_reward_fn
+from marlhf.rewards.functions import RewardFunctions, takes_record_fields
 from marlhf.rollout import (RewardFn, Rollout, length_sorted_chunks, response_logprobs, response_values,
                             score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
@@ -129,7 +133,12 @@ class PPOConfig(TrainingConfig):
     # Rewards and advantages.
     reward: Literal["model", "code"] = option(
         "model", "score source: the reward model, or the unit tests in each record's input_output (APPS, run in "
-                 "a sandbox); a reward function passed to train_ppo overrides both")
+                 "a sandbox); reward_fns, or a reward function passed to train_ppo, override both")
+    reward_fns: tuple[str, ...] = option(
+        (), "reward functions by dotted path package.module:function, in TRL's convention fn(prompts, completions, "
+            "**record_fields) -> scores (or marlhf's fn(prompts, completions)), summed with reward_weights; each "
+            "logged as rewards/<name>")
+    reward_weights: tuple[float, ...] | None = option(None, "weights of reward_fns (none: 1 each)")
     advantage: str = option(
         "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; or an "
                "estimator registered with marlhf.estimators.register_estimator")
@@ -181,7 +190,7 @@ class PPOConfig(TrainingConfig):
                      "max_response_length", "max_length", "temperature", "top_k", "top_p"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
-        "rewards and advantages": ("reward", "advantage", "num_samples_per_prompt", "grpo_normalize_std", "kl_coef",
+        "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt", "grpo_normalize_std", "kl_coef",
                                    "rm_score_clip", "gamma", "lam", "value_weighting", "segment_reward",
                                    "whiten_advantages"),
         "losses": ("clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
@@ -207,6 +216,11 @@ class PPOConfig(TrainingConfig):
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.loss_agg_mode != "token-mean" and self.segment_weighting != "tokens":
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} needs segment_weighting='tokens'")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
+            raise ValueError(f"reward_weights ({len(self.reward_weights)}) must give one weight per reward_fns entry "
+                             f"({len(self.reward_fns)})")
+        for path in self.reward_fns:
+            import_function(path, "reward_fns")  # a path that does not import stops here
         if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
             raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
@@ -271,10 +285,10 @@ def _own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, config: PPOConfig,
-                      accelerator) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and token ids; a prompt over max_prompt_length tokens is dropped or cut (long_prompts),
-    and counted."""
-    texts, token_ids, long = [], [], 0
+                      accelerator) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """The records kept and their prompts' token ids; a prompt over max_prompt_length tokens is dropped or cut
+    (long_prompts), and counted."""
+    kept, token_ids, long = [], [], 0
     limit = config.max_prompt_length
     for record in records:
         ids = tokenizer(record["prompt"])["input_ids"]
@@ -283,15 +297,15 @@ def _tokenize_prompts(records: list[dict[str, Any]], tokenizer, config: PPOConfi
             if config.long_prompts == "drop":
                 continue
             ids = prompt_token_ids(tokenizer, record["prompt"], limit)
-        texts.append(record["prompt"])
+        kept.append(record)
         token_ids.append(ids)
     if long:
         action = "dropped" if config.long_prompts == "drop" else "truncated"
         accelerator.print(f"ppo: {action} {long} of {len(records)} prompts longer than {limit} tokens")
-    if not texts:
+    if not kept:
         raise ValueError(f"every prompt is longer than max_prompt_length={limit} tokens (long_prompts='drop'; "
                          "'truncate' keeps their last tokens)")
-    return texts, token_ids
+    return kept, token_ids
 
 
 def _disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -329,7 +343,7 @@ class PPORun:
     reward_fn: RewardFn | None
     engine: Any
     updaters: list  # (model, optimizer, scheduler, finite-update guard) of the policy, then the critic
-    prompt_texts: list[str]
+    prompt_records: list[dict[str, Any]]
     prompt_ids: list[list[int]]
     plan: BatchPlan
     piece_size: int  # rows per forward pass in the update
@@ -378,10 +392,20 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
             trained_outputs = dict(policy=run.policy, critic=run.critic)
         rollout = score_responses(
             *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
-            reward_fn=run.reward_fn, prompts=[run.prompt_texts[i] for i in rows], tokenizer=tokenizer,
+            reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
+            reward_kwargs=_record_fields(run, rows),
             chunk_size=config.forward_batch_size or run.piece_size, **trained_outputs)
     clock["scoring"] = _clock(device)
     return rollout, kept
+
+
+def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
+    """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
+    if run.reward_fn is None or not (getattr(run.reward_fn, "wants_record_fields", False)
+                                     or takes_record_fields(run.reward_fn)):
+        return None
+    names = sorted({name for i in rows for name in run.prompt_records[i]} - {"prompt"})
+    return {name: [run.prompt_records[i].get(name) for i in rows] for name in names}
 
 
 def estimate_advantages(run: PPORun, rollout: Rollout, rewards: torch.Tensor,
@@ -512,12 +536,13 @@ def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segme
     if returns is not None:
         metrics["val/return_l2"] = row_l2(returns, mask)
     metrics.update({f"macro/{name}": value for name, value in segmentation_stats.items()})
+    metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     return reduce_metrics(metrics, run.accelerator)
 
 
 def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, policy=None, ref=None,
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
-              reward_fn: RewardFn | None = None):
+              reward_fn: RewardFn | list[RewardFn] | None = None):
     """Train the policy with (MA-)PPO on `prompts` ({"prompt": ...} records; default: config.dataset) and
     return it unwrapped. Models not passed in are loaded from the config's paths; `reward_fn` replaces the
     reward model as the source of scores. Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
@@ -532,6 +557,10 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
     if policy is None:
         policy = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    if reward_fn is None and config.reward_fns:
+        reward_fn = RewardFunctions.from_paths(config.reward_fns, config.reward_weights)
+    elif isinstance(reward_fn, (list, tuple)):  # several functions from Python
+        reward_fn = RewardFunctions(reward_fn, config.reward_weights)
     if reward_fn is None and config.reward == "code":
         reward_fn = code_reward_fn(records)
     if reward_fn is None:
@@ -566,7 +595,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         critic = _disable_dropout(critic)
 
     # ---- data, optimisers, resume ------------------------------------------------------------
-    prompt_texts, prompt_ids = _tokenize_prompts(records, tokenizer, config, accelerator)
+    prompt_records, prompt_ids = _tokenize_prompts(records, tokenizer, config, accelerator)
     # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
     plan = BatchPlan(len(prompt_ids), dataclasses.replace(config, gradient_accumulation_steps=1), accelerator)
     updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)
@@ -589,7 +618,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         eos_token_id = tokenizer.eos_token_id
 
     run = PPORun(config, accelerator, tokenizer, policy, critic, ref, reward_model, reward_fn,
-                 get_engine(config.rollout_engine), updaters, prompt_texts, prompt_ids, plan, piece_size, eos_token_id)
+                 get_engine(config.rollout_engine), updaters, prompt_records, prompt_ids, plan, piece_size, eos_token_id)
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
