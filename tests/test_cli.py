@@ -91,3 +91,47 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
         finally:
             transformers_logging.enable_progress_bar()
             transformers_logging.set_verbosity_warning()
+
+
+def _put_in_hub_cache(hf_home: Path, repo_id: str, files_from: Path) -> None:
+    """The Hugging Face hub cache layout for a model repo (refs/main -> snapshots/<commit>/files), as
+    huggingface_hub writes it; from_pretrained reads it offline."""
+    from huggingface_hub.constants import REPO_ID_SEPARATOR
+
+    repo = hf_home / "hub" / REPO_ID_SEPARATOR.join(["models", *repo_id.split("/")])
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in files_from.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_hub_ids_load_offline_from_the_cache(tmp_path, tiny_model_dir, tiny_records):
+    """`marlhf sft` then `marlhf reward` and `marlhf ppo` with org/name ids, as on a GPU box whose cache holds the
+    models: HF_HUB_OFFLINE=1, nothing downloaded."""
+    hf_home = tmp_path / "hf_home"
+    _put_in_hub_cache(hf_home, "tiny-org/tiny-llama", tiny_model_dir)
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    rm = tmp_path / "rm.jsonl"
+    rm.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["rm"]))
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    short = ["--max_steps", "1", "--save_steps", "0", "--per_device_batch_size", "4", "--max_prompt_length", "32",
+             "--max_length", "64"]
+
+    def marlhf(*arguments):
+        child = subprocess.run([sys.executable, "-m", "marlhf", *arguments], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, child.stderr[-3000:]
+
+    marlhf("sft", "--model_name_or_path", "tiny-org/tiny-llama", "--dataset", str(sft), "--output_dir", "sft", *short)
+    _put_in_hub_cache(hf_home, "tiny-org/tiny-sft", tmp_path / "sft")
+    marlhf("reward", "--model_name_or_path", "tiny-org/tiny-sft", "--dataset", str(rm), "--output_dir", "rm",
+           "--eval_fraction", "0", *short)
+    _put_in_hub_cache(hf_home, "tiny-org/tiny-rm", tmp_path / "rm")
+    marlhf("ppo", "--model_name_or_path", "tiny-org/tiny-sft", "--reward_model_name_or_path", "tiny-org/tiny-rm",
+           "--dataset", str(rm), "--output_dir", "ppo", "--mini_batch_size", "4", "--max_response_length", "8",
+           *short)
+    assert [m["step"] for m in read_metrics(tmp_path / "ppo")] == [1]
