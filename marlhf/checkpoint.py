@@ -41,6 +41,7 @@ import os
 import random
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +229,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, torch.n
     is_main = accelerator is None or accelerator.is_main_process
     process_index = 0 if accelerator is None else accelerator.process_index
     final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f"{_TMP_PREFIX}{step}"
+    tmp = output_dir / f"{_TMP_PREFIX}{step}-{_run_token(accelerator)}"  # unique per run: never another run's
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
         tmp.mkdir(parents=True)
@@ -259,7 +260,7 @@ def save_checkpoint(output_dir: str | Path, step: int, models: dict[str, torch.n
     if is_main:
         _write_manifest(tmp)
         if final.exists():  # re-saving a step after resuming from an earlier checkpoint
-            stale = output_dir / f"{_TMP_PREFIX}{step}.stale"
+            stale = tmp.with_name(tmp.name + ".stale")
             final.rename(stale)
             tmp.rename(final)
             shutil.rmtree(stale)
@@ -436,6 +437,16 @@ def _renamed_parameters(optimizer_state: dict[str, Any], rename) -> dict[str, An
     return {"state": {rename[key]: value for key, value in optimizer_state["state"].items()},
             "param_groups": [{**group, "params": [rename[key] for key in group["params"]]}
                              for group in optimizer_state["param_groups"]]}
+
+
+def _run_token(accelerator) -> str:
+    """The main process's pid and host, the same on every process (a collective under several processes)."""
+    token = [f"{os.getpid()}-{socket.gethostname()}"]
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(token)
+    return token[0]
 
 
 def _wait(accelerator) -> None:
