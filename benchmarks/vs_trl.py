@@ -84,6 +84,25 @@ def prompt_texts(count: int, lengths: tuple[int, int]) -> list[str]:
     return [" ".join(f"w{rng.randrange(VOCAB_SIZE - 3)}" for _ in range(rng.randint(*lengths))) for _ in range(count)]
 
 
+def environment(policy) -> dict:
+    """What decides a side's speed besides the code: library versions, threads, attention kernel, dtype."""
+    import platform
+
+    import torch
+    import transformers
+
+    try:
+        import trl
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl_version, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "attention": getattr(policy.config, "_attn_implementation", None), "dtype": str(policy.dtype),
+            "mkldnn": torch.backends.mkldnn.is_available(),
+            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}}
+
+
 def run_marlhf(args) -> dict:
     import torch
     from transformers import LlamaForCausalLM
@@ -111,7 +130,8 @@ def run_marlhf(args) -> dict:
         metrics = read_metrics(output_dir)
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
-            "response_length": statistics.mean(m["objective/response_length"] for m in metrics)}
+            "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
+            "environment": environment(policy)}
 
 
 def run_trl(args) -> dict:
@@ -155,7 +175,7 @@ def run_trl(args) -> dict:
     ticks = [start] + step_ends
     step_seconds = [b - a for a, b in zip(ticks, ticks[1:])][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
-            "response_length": float(args.new_tokens)}
+            "response_length": float(args.new_tokens), "environment": environment(policy)}
 
 
 def child(side: str, args) -> dict:
@@ -213,6 +233,7 @@ def main() -> None:
         seconds = result["step_seconds"]
         result["steps_per_second"] = 1 / statistics.median(seconds)
         result["train_mib"] = result["peak_rss_mib"] - result["rss_before_mib"]
+        print(f"  {side:7s} environment {json.dumps(result['environment'], sort_keys=True)}")
         print(f"  {side:7s} {result['steps_per_second']:.3f} steps/s (median {statistics.median(seconds):.3f} s, min "
               f"{min(seconds):.3f} s)  peak RSS {result['peak_rss_mib']:.0f} MiB, +{result['train_mib']:.0f} MiB "
               f"during training  mean response {result['response_length']:.1f} tokens")
