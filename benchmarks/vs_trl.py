@@ -165,7 +165,10 @@ def run_trl(args) -> dict:
                            lam=0.95, cliprange=0.2, cliprange_value=0.2, stop_token=None, missing_eos_penalty=None,
                            num_sample_generations=0, learning_rate=1e-5, lr_scheduler_type="linear", report_to="none",
                            save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, use_cpu=True,
-                           dataloader_num_workers=0)
+                           dataloader_num_workers=0,
+                           # TRL 0.26's PPOConfig defaults to bf16 autocast and gradient checkpointing; marlhf runs
+                           # float32 without checkpointing, so both are pinned off (on this CPU bf16 alone is ~10x)
+                           bf16=False, fp16=False, gradient_checkpointing=False)
         trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
                              reward_model=reward_model, value_model=value_model, train_dataset=dataset,
                              eval_dataset=dataset.select(range(args.batch)), callbacks=[StepClock()])
@@ -175,7 +178,9 @@ def run_trl(args) -> dict:
     ticks = [start] + step_ends
     step_seconds = [b - a for a, b in zip(ticks, ticks[1:])][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
-            "response_length": float(args.new_tokens), "environment": environment(policy)}
+            "response_length": float(args.new_tokens),
+            "environment": {**environment(policy), "bf16": config.bf16, "fp16": config.fp16,
+                            "gradient_checkpointing": config.gradient_checkpointing}}
 
 
 def child(side: str, args) -> dict:
