@@ -134,12 +134,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step of a `checkpoint-<step>` directory name (None for any other name)."""
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir()
-             if p.is_dir() and (m := CHECKPOINT_PATTERN.match(p.name))]
+    found = [(checkpoint_step(p), p) for p in output_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
     return [p for _, p in sorted(found)]
 
 

@@ -43,7 +43,7 @@ class RewardFunctions:
             raise ValueError(f"reward_weights must be finite, got {weights}")
         self.functions, self.weights = list(functions), weights
         self.names = _unique([getattr(f, "__name__", "reward") for f in functions])
-        self.wants_record_fields = any(takes_record_fields(f) for f in functions)
+        self._with_fields = [takes_record_fields(f) for f in functions]
         self.last_means: dict[str, float] = {}
 
     @classmethod
@@ -52,9 +52,8 @@ class RewardFunctions:
 
     def __call__(self, prompts: list[str], completions: list[str], **record_fields: list[Any]) -> list[float]:
         total = [0.0] * len(completions)
-        for function, weight, name in zip(self.functions, self.weights, self.names):
-            scores = (function(prompts, completions, **record_fields) if takes_record_fields(function)
-                      else function(prompts, completions))
+        for function, weight, name, with_fields in zip(self.functions, self.weights, self.names, self._with_fields):
+            scores = function(prompts, completions, **record_fields) if with_fields else function(prompts, completions)
             scores = [float(s) for s in scores]
             if len(scores) != len(completions):
                 raise ValueError(f"reward function {name!r} returned {len(scores)} scores for "

@@ -41,8 +41,7 @@ from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marlhf.checkpoint import (CHECKPOINT_PATTERN, list_checkpoints, load_checkpoint, resolve_resume,
-                               save_checkpoint)
+from marlhf.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from marlhf.config import RunConfig, TrainingConfig
 from marlhf.logging_utils import METRICS_FILE, MetricsLogger, reduce_metrics
 from marlhf.modeling import merge_lora
@@ -71,9 +70,7 @@ def make_accelerator(config: RunConfig) -> Accelerator:
 def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, Any]]:
     if config.dataset is None:
         raise ValueError("dataset is required when no records are passed in")
-    from marlhf.data import (
-        load_records,  # imported here: the trainers' Python API works without it
-    )
+    from marlhf.data import load_records  # imported here: the trainers' Python API works without it
 
     return load_records(config.dataset, stage, task=config.dataset_task, seed=config.seed,
                         max_samples=config.max_samples, webgpt_ties=config.webgpt_ties)
@@ -95,9 +92,11 @@ def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, tor
     stays this lineage's). A fresh run refuses a directory that holds an earlier run unless
     overwrite_output_dir."""
     output_dir = Path(config.output_dir)
-    lock = _lock_output_dir(output_dir, accelerator)
+    lock = _on_main_process(accelerator, lambda: _lock_output_dir(output_dir))
     try:
-        checkpoint = resolve_resume(config.resume, output_dir, report=accelerator.print)
+        # The main process checks the candidates' manifests (reading every file once, not once per process).
+        checkpoint = _on_main_process(accelerator, lambda: resolve_resume(config.resume, output_dir),
+                                      share_result=True)
         if checkpoint is None:
             _start_fresh(config, output_dir, accelerator)
         else:
@@ -115,23 +114,31 @@ def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, tor
     return start_step, logger
 
 
-def _lock_output_dir(output_dir: Path, accelerator: Accelerator) -> OutputDirLock | None:
-    """The main process locks output_dir and clears temporary checkpoints of crashed runs; every process stops
-    if it cannot."""
-    lock, problem = None, ""
+def _on_main_process(accelerator: Accelerator, work, share_result: bool = False):
+    """`work()` on the main process only. A ValueError there is raised on every process; with `share_result`
+    every process gets the (picklable) result, else the others get None."""
+    outcome = [None, None]  # result, error message
     if accelerator.is_main_process:
         try:
-            lock = OutputDirLock(output_dir)
+            outcome[0] = work()
         except ValueError as error:
-            problem = str(error)
-        else:
-            for leftover in [*output_dir.glob(".tmp-checkpoint-*"), output_dir / FINAL_MODEL_TMP]:
-                shutil.rmtree(leftover, ignore_errors=True)
-    failed = torch.tensor([0 if not problem else 1], device=accelerator.device)
+            outcome[1] = str(error)
     if accelerator.num_processes > 1:
-        failed = accelerator.reduce(failed, reduction="sum")
-    if int(failed):
-        raise ValueError(problem or f"the main process could not lock output_dir {output_dir}")
+        from accelerate.utils import broadcast_object_list
+
+        shared = [outcome[0] if share_result else None, outcome[1]]
+        broadcast_object_list(shared)  # in place
+        outcome = [outcome[0] if accelerator.is_main_process else shared[0], shared[1]]
+    if outcome[1] is not None:
+        raise ValueError(outcome[1])
+    return outcome[0]
+
+
+def _lock_output_dir(output_dir: Path) -> OutputDirLock:
+    """Lock output_dir for this run and clear the temporary files of crashed runs (they hold no lock)."""
+    lock = OutputDirLock(output_dir)
+    for leftover in [*output_dir.glob(".tmp-checkpoint-*"), output_dir / FINAL_MODEL_TMP]:
+        shutil.rmtree(leftover, ignore_errors=True)
     return lock
 
 
@@ -165,14 +172,14 @@ def _continue_lineage(config: RunConfig, checkpoint: Path, output_dir: Path, acc
         details = "; ".join(f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in changed)
         raise ValueError(f"resuming {checkpoint} with options that change the run ({details}): keep them, or set "
                          "allow_config_change")
-    step = int(CHECKPOINT_PATTERN.match(checkpoint.name).group(1)) if CHECKPOINT_PATTERN.match(checkpoint.name) else None
+    step = checkpoint_step(checkpoint)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if not (output_dir / "config.yaml").is_file():
             (output_dir / "config.yaml").write_text(saved.read_text())
         config.save_yaml(output_dir / f"config.resume-{step if step is not None else checkpoint.name}.yaml")
         if checkpoint.parent.resolve() == output_dir.resolve() and step is not None:
-            newer = [c for c in list_checkpoints(output_dir) if int(CHECKPOINT_PATTERN.match(c.name).group(1)) > step]
+            newer = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) > step]
             if newer:
                 aside = output_dir / f"superseded-after-{step}"
                 aside.mkdir(exist_ok=True)

@@ -54,8 +54,8 @@ from marlhf.config import TrainingConfig, option
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.data.records import require_fields
 from marlhf.engines import engine_class, get_engine
-from marlhf.imports import import_function
 from marlhf.estimators import AdvantageBatch, get_estimator
+from marlhf.imports import import_function
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.metrics import row_l2, token_repetition
@@ -185,14 +185,14 @@ class PPOConfig(TrainingConfig):
                "(no second copy); the final policy is saved merged")
 
     HELP_SECTIONS = {
-        "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size", "max_prompt_length",
-                     "long_prompts",
-                     "max_response_length", "max_length", "temperature", "top_k", "top_p"),
+        "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size",
+                     "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
+                     "top_p"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
-        "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt", "grpo_normalize_std", "kl_coef",
-                                   "rm_score_clip", "gamma", "lam", "value_weighting", "segment_reward",
-                                   "whiten_advantages"),
+        "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt",
+                                   "grpo_normalize_std", "kl_coef", "rm_score_clip", "gamma", "lam",
+                                   "value_weighting", "segment_reward", "whiten_advantages"),
         "losses": ("clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
                    "value_loss_granularity"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
@@ -401,8 +401,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
 
 def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
     """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
-    if run.reward_fn is None or not (getattr(run.reward_fn, "wants_record_fields", False)
-                                     or takes_record_fields(run.reward_fn)):
+    if run.reward_fn is None or not takes_record_fields(run.reward_fn):
         return None
     names = sorted({name for i in rows for name in run.prompt_records[i]} - {"prompt"})
     return {name: [run.prompt_records[i].get(name) for i in rows] for name in names}
