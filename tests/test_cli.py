@@ -12,6 +12,7 @@ import yaml
 
 from marlhf import cli
 from marlhf.logging_utils import read_metrics
+from tests.hub_cache import offline_env, put_in_datasets_cache, put_in_hub_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,31 +94,16 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
             transformers_logging.set_verbosity_warning()
 
 
-def _put_in_hub_cache(hf_home: Path, repo_id: str, files_from: Path) -> None:
-    """The Hugging Face hub cache layout for a model repo (refs/main -> snapshots/<commit>/files), as
-    huggingface_hub writes it; from_pretrained reads it offline."""
-    from huggingface_hub.constants import REPO_ID_SEPARATOR
-
-    repo = hf_home / "hub" / REPO_ID_SEPARATOR.join(["models", *repo_id.split("/")])
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in files_from.iterdir():
-        (snapshot / file.name).write_bytes(file.read_bytes())
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-
-
 def test_hub_ids_load_offline_from_the_cache(tmp_path, tiny_model_dir, tiny_records):
     """`marlhf sft` then `marlhf reward` and `marlhf ppo` with org/name ids, as on a GPU box whose cache holds the
     models: HF_HUB_OFFLINE=1, nothing downloaded."""
     hf_home = tmp_path / "hf_home"
-    _put_in_hub_cache(hf_home, "tiny-org/tiny-llama", tiny_model_dir)
+    put_in_hub_cache(hf_home / "hub", "tiny-org/tiny-llama", tiny_model_dir)
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
     rm = tmp_path / "rm.jsonl"
     rm.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["rm"]))
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = offline_env(hf_home)
     short = ["--max_steps", "1", "--save_steps", "0", "--per_device_batch_size", "4", "--max_prompt_length", "32",
              "--max_length", "64"]
 
@@ -127,11 +113,36 @@ def test_hub_ids_load_offline_from_the_cache(tmp_path, tiny_model_dir, tiny_reco
         assert child.returncode == 0, child.stderr[-3000:]
 
     marlhf("sft", "--model_name_or_path", "tiny-org/tiny-llama", "--dataset", str(sft), "--output_dir", "sft", *short)
-    _put_in_hub_cache(hf_home, "tiny-org/tiny-sft", tmp_path / "sft")
+    put_in_hub_cache(hf_home / "hub", "tiny-org/tiny-sft", tmp_path / "sft")
     marlhf("reward", "--model_name_or_path", "tiny-org/tiny-sft", "--dataset", str(rm), "--output_dir", "rm",
            "--eval_fraction", "0", *short)
-    _put_in_hub_cache(hf_home, "tiny-org/tiny-rm", tmp_path / "rm")
+    put_in_hub_cache(hf_home / "hub", "tiny-org/tiny-rm", tmp_path / "rm")
     marlhf("ppo", "--model_name_or_path", "tiny-org/tiny-sft", "--reward_model_name_or_path", "tiny-org/tiny-rm",
            "--dataset", str(rm), "--output_dir", "ppo", "--mini_batch_size", "4", "--max_response_length", "8",
            *short)
     assert [m["step"] for m in read_metrics(tmp_path / "ppo")] == [1]
+
+
+def test_hub_dataset_id_loads_offline_from_the_datasets_cache(tmp_path, tiny_model_dir):
+    """`marlhf sft --dataset Dahoas/full-hh-rlhf` offline, as on a GPU box where an earlier online run cached the
+    model and the dataset: the Arrow cache `datasets` wrote (full-size splits, so the row-count check passes
+    unpatched) serves the id; HF_ENDPOINT is unroutable, so a network attempt fails rather than hangs.
+    The reward/RL stages and a missing cache: tests/data/test_loading.py (in-process, faster)."""
+    from marlhf.data import TASKS
+    from marlhf.data.records import read_rows
+
+    hf_home = tmp_path / "hf_home"
+    put_in_hub_cache(hf_home / "hub", "tiny-org/tiny-llama", tiny_model_dir)
+    fixture = read_rows(REPO_ROOT / "tests" / "fixtures" / "hh_rlhf.jsonl")
+    sizes = TASKS["hh"].expected_rows  # {"train": 112052, "test": 12451}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    put_in_datasets_cache(hf_home / "datasets", "Dahoas/full-hh-rlhf",
+                          {split: [fixture[i % len(fixture)] for i in range(n)] for split, n in sizes.items()}, scratch)
+    child = subprocess.run(
+        [sys.executable, "-m", "marlhf", "sft", "--model_name_or_path", "tiny-org/tiny-llama", "--dataset",
+         "Dahoas/full-hh-rlhf", "--max_samples", "8", "--output_dir", "sft", "--max_steps", "1", "--save_steps", "0",
+         "--per_device_batch_size", "4", "--max_prompt_length", "32", "--max_length", "64"],
+        env=offline_env(hf_home), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "sft")] == [1]

@@ -43,13 +43,43 @@ def load_hub_split(task: Task, split: str) -> Any:
     ``data_dir`` (APPS without ``all`` doubles its rows) stops here instead of training on other data."""
     import datasets
 
-    rows = datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
+    try:
+        rows = datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
+    except (ConnectionError, FileNotFoundError, ValueError) as error:
+        if not datasets.config.HF_HUB_OFFLINE:
+            raise
+        rows = load_hub_cache_split(task, split, error)
     expected = task.expected_rows.get(split)
     if expected is not None and len(rows) != expected:
         where = ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
         raise ValueError(f"{task.hub_id} ({where}) split {split!r} has {len(rows)} rows, the paper's data has "
                          f"{expected}: a partial or changed Parquet export, or another data_dir")
     return rows
+
+
+def load_hub_cache_split(task: Task, split: str, error: Exception) -> Any:
+    """Offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``), one split read from the data files an earlier
+    online load left in the hub cache (``HF_HUB_CACHE``). ``datasets`` reloads a Hub id offline only from the
+    Arrow cache (``HF_DATASETS_CACHE``) of an earlier load, looked up under a config id made of the
+    ``load_dataset`` keyword arguments; with ``data_dir`` (TL;DR, WebGPT, APPS) that id differs from the one the
+    online load wrote (it hashed the resolved data files too), so that cache is never found (datasets 5.2:
+    ``packaged_modules/cache/cache.py``, ``_find_hash_in_cache``). ``error``: what ``load_dataset`` raised."""
+    import datasets
+    from huggingface_hub import snapshot_download
+
+    kwargs = dict(task.hub_kwargs)
+    revision = kwargs.pop("revision", None)
+    try:
+        folder = snapshot_download(task.hub_id, repo_type="dataset", revision=revision, local_files_only=True)
+        return datasets.load_dataset(folder, split=split, **kwargs)
+    except Exception as cache_error:  # noqa: BLE001 - any failure here means: not in the local cache
+        where = ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
+        raise ConnectionError(
+            f"{task.hub_id} ({where}) split {split!r} is not in the local Hugging Face cache and offline mode is on "
+            f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): load it once online with the same HF_HOME (or HF_HUB_CACHE "
+            f"and HF_DATASETS_CACHE), or pass a local .jsonl/.parquet file of its rows with --dataset_task "
+            f"{task.name}. datasets: {error}; hub cache: {cache_error}"
+        ) from error
 
 
 def convert_rows(task: Task, rows: Iterable[dict[str, Any]], stage: str) -> tuple[list[dict[str, Any]], Counter]:

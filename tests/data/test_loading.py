@@ -298,3 +298,83 @@ def test_webgpt_ties_policy_is_an_option(tmp_path):
             assert [r["prompt"] for r in skipping] == [r["prompt"] for r in kept], stage
     with pytest.raises(ValueError, match="webgpt_ties"):
         load_records(str(path), "rm", task="webgpt", webgpt_ties="chosen")
+
+
+# --- Hub ids offline: served from the caches an earlier online load leaves, no network -------------------
+
+@pytest.fixture
+def offline_caches(tmp_path, monkeypatch):
+    """Empty hub and datasets caches under a temporary HF_HOME, both libraries offline, the Hub unroutable.
+    The libraries read these settings at import, so their module constants are patched (the CLI test in
+    tests/test_cli.py sets the environment of a fresh process instead)."""
+    import datasets
+    import huggingface_hub.constants
+
+    from tests.hub_cache import UNREACHABLE_HUB
+
+    hub, datasets_cache = tmp_path / "hf_home" / "hub", tmp_path / "hf_home" / "datasets"
+    for module, name, value in [(datasets.config, "HF_HUB_OFFLINE", True), (datasets.config, "HF_ENDPOINT", UNREACHABLE_HUB),
+                                (datasets.config, "HF_DATASETS_CACHE", datasets_cache),
+                                (huggingface_hub.constants, "HF_HUB_OFFLINE", True),
+                                (huggingface_hub.constants, "ENDPOINT", UNREACHABLE_HUB),
+                                (huggingface_hub.constants, "HF_HUB_CACHE", str(hub))]:
+        monkeypatch.setattr(module, name, value)
+    return hub, datasets_cache
+
+
+def fixture_sized(monkeypatch, task: str, splits: tuple[str, ...]) -> None:
+    import dataclasses
+
+    from marlhf.data import tasks as task_table
+
+    sized = dataclasses.replace(TASKS[task], expected_rows={split: len(read_rows(raw_path(task))) for split in splits})
+    monkeypatch.setitem(task_table.TASKS_BY_HUB_ID, TASKS[task].hub_id, sized)  # the fixture is not the full split
+
+
+def test_hub_id_without_data_dir_loads_offline_from_the_datasets_arrow_cache(tmp_path, monkeypatch, offline_caches):
+    """Dahoas/full-hh-rlhf: `datasets` itself reloads the Arrow cache of the earlier load (HF_DATASETS_CACHE/
+    Dahoas___full-hh-rlhf/default/0.0.0/<commit>), every stage's records as from the same rows in a local file."""
+    from tests.hub_cache import put_in_datasets_cache
+
+    _, datasets_cache = offline_caches
+    rows = read_rows(raw_path("hh"))
+    fixture_sized(monkeypatch, "hh", ("train", "test"))
+    for stage in ("sft", "rm", "rl", "eval"):
+        with pytest.raises(ConnectionError, match=r"Dahoas/full-hh-rlhf \(default revision\) split '(train|test)' "
+                                                  r"is not in the local Hugging Face cache"):
+            load_records("Dahoas/full-hh-rlhf", stage)  # nothing cached yet: an error, not a download
+    put_in_datasets_cache(datasets_cache, "Dahoas/full-hh-rlhf", {"train": rows, "test": rows}, tmp_path)
+    for stage in ("sft", "rm", "rl", "eval"):
+        assert load_records("Dahoas/full-hh-rlhf", stage) == load_records(raw_path("hh"), stage, task="hh"), stage
+
+
+def test_hub_id_with_data_dir_loads_offline_from_the_hub_cache_parquet_export(tmp_path, monkeypatch, offline_caches):
+    """openai/summarize_from_feedback (revision refs/convert/parquet, data_dir comparisons): `datasets` cannot reload
+    it offline (the online load's Arrow cache is looked up under another config id: default-data_dir=comparisons,
+    not default-<hash>), so marlhf reads the Parquet export files the earlier load left in the hub cache
+    (HF_HUB_CACHE/datasets--openai--summarize_from_feedback, refs/refs/convert/parquet -> snapshots/<commit>)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.hub_cache import put_in_datasets_cache, put_in_hub_cache
+
+    hub, datasets_cache = offline_caches
+    task = TASKS["tldr"]
+    fixture_sized(monkeypatch, "tldr", ("train", "validation"))
+    with pytest.raises(ConnectionError, match=r"openai/summarize_from_feedback \(revision='refs/convert/parquet', "
+                                              r"data_dir='comparisons'\).*HF_HUB_OFFLINE / HF_DATASETS_OFFLINE.*"
+                                              r"--dataset_task tldr"):
+        load_records(task.hub_id, "rm")
+    export = tmp_path / "export"
+    for split in ("train", "validation"):
+        (export / "comparisons" / split).mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(read_rows(raw_path("tldr"))), export / "comparisons" / split / "0000.parquet")
+    put_in_hub_cache(hub, task.hub_id, export, repo_type="dataset", revision=task.hub_kwargs["revision"])
+    put_in_datasets_cache(datasets_cache, task.hub_id, {split: read_rows(raw_path("tldr")) for split in
+                                                         ("train", "validation")}, tmp_path, data_dir="comparisons")
+    with pytest.raises(ValueError, match="Couldn't find cache for openai/summarize_from_feedback for config "
+                                         "'default-data_dir=comparisons'"):  # datasets alone, with both caches
+        datasets.load_dataset(task.hub_id, split="train", **task.hub_kwargs)
+    for stage in ("sft", "rm", "eval"):
+        assert load_records(task.hub_id, stage) == load_records(raw_path("tldr"), stage, task="tldr"), stage
