@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import yaml
 
+from marlhf.logging_utils import check_report_to
+
 _NONE_WORDS = ("none", "null")
 LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # Llama / Gemma / Mistral / Qwen module names
 
@@ -88,6 +90,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         item_type, ellipsis = typing.get_args(inner)
         if ellipsis is not Ellipsis:
             raise TypeError(f"unsupported config type {annotation!r} for {name}; use tuple[T, ...]")
+        if isinstance(value, str) and (item_type is str or typing.get_origin(item_type) is Literal):
+            value = (value,)  # `report_to: wandb` in a YAML file, or an old config.yaml's single value
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name} must be a list, got {value!r}")
         return tuple(_coerce(f"{name}[{i}]", v, item_type) for i, v in enumerate(value))
@@ -268,8 +272,11 @@ class RunConfig(ConfigBase):
 
     output_dir: str = option("outputs/run", "directory for checkpoints, metrics.jsonl, config.yaml and the final model")
     seed: int = option(1234, "random seed (python, numpy, torch, data order)")
-    report_to: Literal["jsonl", "tensorboard", "none"] = option(
-        "jsonl", "metrics sink: jsonl writes OUTPUT_DIR/metrics.jsonl; tensorboard writes it and TensorBoard events")
+    report_to: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "none"], ...] = option(
+        ("jsonl",), "metrics sinks: OUTPUT_DIR/metrics.jsonl always, plus any of tensorboard, wandb, mlflow, trackio "
+                    "(Accelerate's trackers; a resumed run continues the same tracker run); none: nothing")
+    tracker_project: str = option("marlhf", "project (wandb, trackio) or experiment (mlflow) the run is logged to")
+    run_name: str | None = option(None, "run name shown by the trackers (none: output_dir's name)")
     logging_steps: int = option(1, "log metrics every N optimizer steps", ge=1)
     save_steps: int = option(500, "save a checkpoint every N optimizer steps (0: only the final model)", ge=0)
     save_total_limit: int | None = option(2, "keep only the newest K checkpoints (none: keep all)", ge=1)
@@ -288,6 +295,7 @@ class RunConfig(ConfigBase):
             raise ValueError("output_dir must not be empty")
         if self.resume is not None and not self.resume.strip():
             raise ValueError("resume must be 'latest', a checkpoint path or none, not empty")
+        check_report_to(self.report_to)
         output_dir = Path(self.output_dir).resolve()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -23,13 +23,14 @@ def test_defaults_and_coercion():
     config = ToyConfig(lr=1, lengths=[4, 5])
     assert config.lr == 1.0 and isinstance(config.lr, float)
     assert config.lengths == (4, 5)
-    assert config.report_to == "jsonl"
+    assert config.report_to == ("jsonl",)
+    assert ToyConfig.from_dict({"report_to": "tensorboard"}).report_to == ("tensorboard",)  # YAML `key: one`
 
 
 @pytest.mark.parametrize("values, field", [
     ({"lr": 0.0}, "lr"), ({"lr": -1e-5}, "lr"), ({"clip": 0}, "clip"), ({"mode": "segment"}, "mode"),
     ({"lr": "fast"}, "lr"), ({"n": 0}, "n"), ({"n": 2.5}, "n"), ({"n": True}, "n"), ({"flag": "yes"}, "flag"),
-    ({"lengths": [2, 0]}, "lengths"), ({"lengths": 3}, "lengths"), ({"report_to": "wandb"}, "report_to"),
+    ({"lengths": [2, 0]}, "lengths"), ({"lengths": 3}, "lengths"), ({"report_to": "comet"}, "report_to"),
     ({"save_steps": -1}, "save_steps"), ({"seed": None}, "seed"),
 ])
 def test_bad_values_name_the_field(values, field):

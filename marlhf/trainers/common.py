@@ -15,6 +15,8 @@ API:
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
     save_final_model(model, tokenizer, directory, accelerator)
     accumulation_context(accelerator, model, is_last_micro_batch)
+    configure_deepspeed(accelerator, config, micro_batch_size)  # before accelerator.prepare; no-op unless DeepSpeed
+    backward(accelerator, model, loss, is_last_micro_batch)  # accelerator.backward, or the model's own engine's
     guard = FiniteUpdates(config.nonfinite_skip_limit)    # skips optimizer steps with a NaN/inf gradient norm
     grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm, guard)
     model = train_supervised(config, accelerator, model, tokenizer, examples, collate, loss_fn, desc)
@@ -78,7 +80,8 @@ def records_from_config(config: TrainingConfig, stage: str) -> list[dict[str, An
 
 # Options a resumed run may change without changing what the run computes (the rest need allow_config_change).
 RESUMABLE_CHANGES = frozenset({"output_dir", "resume", "overwrite_output_dir", "allow_config_change", "logging_steps",
-                               "save_steps", "save_total_limit", "report_to", "max_steps", "forward_batch_size"})
+                               "save_steps", "save_total_limit", "report_to", "tracker_project", "run_name",
+                               "max_steps", "forward_batch_size"})
 
 
 def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, torch.nn.Module],
@@ -106,7 +109,8 @@ def start_run(config: RunConfig, accelerator: Accelerator, models: dict[str, tor
             start_step = load_checkpoint(checkpoint, models, optimizers, schedulers, accelerator)["step"]
             accelerator.print(f"resumed from {checkpoint} at step {start_step}")
         logger = MetricsLogger(output_dir, config.report_to, accelerator.is_main_process,
-                               resume_step=start_step if checkpoint is not None else None, lock=lock)
+                               resume_step=start_step if checkpoint is not None else None, lock=lock,
+                               run_config=config.to_dict(), project=config.tracker_project, run_name=config.run_name)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -271,6 +275,32 @@ def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_la
     return contextlib.nullcontext() if is_last_micro_batch else accelerator.no_sync(model)
 
 
+def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig, micro_batch_size: int) -> None:
+    """Under DeepSpeed, before accelerator.prepare: give its config the micro-batch size that Accelerate takes
+    from a prepared dataloader (marlhf batches by itself), and refuse what does not work there yet."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    if config.save_steps or config.resume:
+        # ZeRO partitions the optimizer states over the processes; a checkpoint would hold one process's part.
+        raise ValueError("checkpoints and resume do not work under DeepSpeed yet (ZeRO partitions the optimizer "
+                         "states over the processes): set save_steps 0 and no resume, or train under DDP "
+                         "(configs/accelerate/ddp.yaml) or FSDP (fsdp.yaml), which checkpoint and resume")
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
+def backward(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor, is_last_micro_batch: bool) -> None:
+    """accelerator.backward(loss), except under DeepSpeed: there Accelerate sends every backward to the engine
+    prepared first and steps it at once, so each model's own engine (PPO: policy and critic) runs its backward
+    here and steps in optimizer_step, after the optimizer step's last micro-batch."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        model.set_gradient_accumulation_boundary(is_last_micro_batch)
+        model.backward(loss, scale_wrt_gas=False)  # the trainers scale their losses for accumulation themselves
+    else:
+        accelerator.backward(loss)
+
+
 class FiniteUpdates:
     """The finite-update guard: an optimizer step whose gradient norm is NaN or inf is skipped (the weights and
     optimizer state stay as they were, so nothing non-finite is ever saved) and counted; more than `limit` in a
@@ -297,7 +327,19 @@ def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: 
                    max_grad_norm: float | None, guard: FiniteUpdates | None = None) -> tuple[torch.Tensor, float]:
     """Clip the gradients (when max_grad_norm is set), step the optimizer (unless `guard` refuses a non-finite
     gradient) and the schedule, zero the gradients. Returns the gradient norm before clipping and the learning
-    rate the step used."""
+    rate the step used.
+
+    Under DeepSpeed the model's engine steps: it clips to its config's gradient_clipping (instead of
+    max_grad_norm) and itself skips a step with a non-finite gradient norm (in float32; in bf16 with
+    `check_grad_overflow`), which `guard` then counts."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        learning_rate = scheduler.get_last_lr()[0]
+        model.step()  # also zeroes the gradients
+        grad_norm = torch.as_tensor(model.get_global_grad_norm(), device=accelerator.device)
+        if guard is not None:
+            guard.allows(grad_norm)
+        scheduler.step()
+        return grad_norm, learning_rate
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)
     learning_rate = scheduler.get_last_lr()[0]
     if guard is None or guard.allows(grad_norm):
@@ -319,6 +361,7 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
     plan = BatchPlan(len(examples), config, accelerator)
     optimizer = make_optimizer(model, config)
     scheduler = make_scheduler(optimizer, config, plan.total_steps)
+    configure_deepspeed(accelerator, config, config.per_device_batch_size)
     model, optimizer = accelerator.prepare(model, optimizer)
     models, optimizers, schedulers = {"model": model}, {"model": optimizer}, {"model": scheduler}
     start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
@@ -334,7 +377,7 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
             batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
             with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
                 loss, stats = loss_fn(model, batch)
-                accelerator.backward(loss / len(micro_batches))
+                backward(accelerator, model, loss / len(micro_batches), index == len(micro_batches) - 1)
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
 
