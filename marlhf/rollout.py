@@ -7,8 +7,11 @@ the first EOS are padding (mask False). All per-token outputs are `[B, T]` over 
 0 on padding, aligned so that position t describes the action "emit response token t":
 log-probs of token t and the critic's value of the state just before it.
 
-Sampling is greedy decoding of temperature / top-k / top-p scores plus Gumbel noise from one generator per
-row (`row_seeds`), so a response depends on its prompt and seed only, not on the rest of the batch.
+Sampling is greedy decoding of temperature / top-k / top-p scores plus Gumbel noise keyed by each row's seed
+(`row_seeds`), so a response depends on its prompt and seed only, not on the rest of the batch. The noise
+comes from one torch generator per row (`sampling_noise="row_generators"`, B draws per token) or from a
+counter-based hash of (row seed, position, token) computed for all rows at once (`"counter_hash"`, one
+batched computation per token: what a GPU batch of hundreds of rows wants).
 
 Call these with the models in eval mode: PPO's ratio compares the rollout's log-probs with a later
 forward pass of the same weights, which dropout would perturb.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -67,6 +71,51 @@ class RowGumbelNoise(LogitsProcessor):
         return scores - torch.log(-torch.log(uniform))  # uniform = 0 gives -inf: that token is never drawn
 
 
+_GOLDEN32 = 0x9E3779B9 - 2**32  # 2^32 / golden ratio (as int32): spreads consecutive counters over 32 bits
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' `lowbias32` integer hash, elementwise and in place, on an int32 tensor read as uint32:
+    int32 products wrap modulo 2^32, and a mask after each shift makes it a logical (unsigned) shift."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= 0x7FEB352D
+    x ^= (x >> 15) & 0x1FFFF
+    x *= 0x846CA68B - 2**32
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def counter_uniforms(row_seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """`[B, V]` float32 uniforms in (0, 1), a pure function of (row seed, position, token id): one batched
+    computation for all rows, the same value for a row in any batch, on any process or device. 24-bit
+    resolution (like torch.rand's float32), centred in its cell so that neither 0 nor 1 occurs.
+    row_seeds: `[B]` int32 (a seed in [0, 2^32) read as uint32)."""
+    row_keys = mix32(mix32(row_seeds.clone()) + (position + 1) * _GOLDEN32)
+    tokens = torch.arange(vocab_size, device=row_seeds.device, dtype=torch.int32)
+    bits = mix32(mix32(row_keys[:, None] ^ mix32(tokens * _GOLDEN32)[None, :]))
+    return (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24
+
+
+class CounterGumbelNoise(LogitsProcessor):
+    """Adds Gumbel noise from `counter_uniforms` of the rows' seeds at the current step (the Gumbel-max trick,
+    as RowGumbelNoise), for all rows in one computation per token instead of one draw per row."""
+
+    def __init__(self, row_seeds: Sequence[int], device: torch.device) -> None:
+        seeds = [int(seed) for seed in row_seeds]
+        if any(not 0 <= seed < 2**32 for seed in seeds):
+            raise ValueError("counter_hash sampling needs row seeds in [0, 2^32)")
+        self.row_seeds = torch.tensor([seed - 2**32 if seed >= 2**31 else seed for seed in seeds],
+                                      dtype=torch.int32, device=device)
+        self.position = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != self.row_seeds.shape[0]:
+            raise ValueError(f"{scores.shape[0]} rows but {self.row_seeds.shape[0]} row seeds")
+        uniform = counter_uniforms(self.row_seeds, self.position, scores.shape[1])
+        self.position += 1
+        return scores - torch.log(-torch.log(uniform))
+
+
 class SampledTokenLogprobs(LogitsProcessor):
     """Records the log-probability of the token drawn at each step under the scores it is handed (placed right
     after the temperature warper: logits / temperature, before top-k / top-p truncation). The token drawn at
@@ -103,6 +152,7 @@ def generate_responses(
     pad_token_id: int,
     row_seeds: Sequence[int] | None = None,
     return_logprobs: bool = False,
+    sampling_noise: Literal["row_generators", "counter_hash"] = "row_generators",
 ) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
     `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns
@@ -110,7 +160,8 @@ def generate_responses(
     and with `return_logprobs` the sampling pass's log-probs of the drawn tokens under logits / temperature
     `[B, T]` (0 on padding; those of response_logprobs up to float error, larger in low precision). Sampling
     settings not given here (e.g. a repetition penalty) come from `policy.generation_config`; such
-    settings act before the temperature, so the returned log-probs include them."""
+    settings act before the temperature, so the returned log-probs include them. `sampling_noise`: where each
+    row's Gumbel noise comes from (module docstring); the two give different, equally distributed samples."""
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
@@ -132,8 +183,13 @@ def generate_responses(
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1:
         processors.append(TopPLogitsWarper(top_p))
-    generators = [torch.Generator(query_ids.device).manual_seed(int(seed)) for seed in row_seeds]
-    processors.append(RowGumbelNoise(generators))
+    if sampling_noise == "row_generators":
+        generators = [torch.Generator(query_ids.device).manual_seed(int(seed)) for seed in row_seeds]
+        processors.append(RowGumbelNoise(generators))
+    elif sampling_noise == "counter_hash":
+        processors.append(CounterGumbelNoise(row_seeds, query_ids.device))
+    else:
+        raise ValueError(f"`sampling_noise` must be 'row_generators' or 'counter_hash', got {sampling_noise!r}")
     sequences = policy.generate(
         input_ids=query_ids,
         attention_mask=query_mask.long(),

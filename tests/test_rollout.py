@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from marlhf.modeling import ScalarHeadModel, pad_sequences
-from marlhf.rollout import (decode_responses, forward_in_chunks, generate_responses, length_sorted_chunks,
-                            response_logprobs, response_mask_from_ids, response_values, row_lengths, score_responses,
-                            trim_padding)
+from marlhf.rollout import (CounterGumbelNoise, RowGumbelNoise, counter_uniforms, decode_responses, forward_in_chunks,
+                            generate_responses, length_sorted_chunks, mix32, response_logprobs, response_mask_from_ids,
+                            response_values, row_lengths, score_responses, trim_padding)
 
 PAD, EOS = 0, 2
 
@@ -62,23 +63,106 @@ def test_generate_responses_shapes_masks_and_eos():
         _sample(policy, query_ids, query_mask, range(3))
 
 
-def test_a_row_samples_the_same_response_alone_or_in_any_batch():
+@pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])
+def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
     policy = _eight_token_lm()
     query_ids, query_mask = _prompts()
     seeds = [100 + row for row in range(10)]
-    batch_ids, batch_mask = _sample(policy, query_ids, query_mask, seeds, temperature=0.8, top_k=5, top_p=0.9)
-    again = _sample(policy, query_ids, query_mask, seeds, temperature=0.8, top_k=5, top_p=0.9)
+    sampling = dict(temperature=0.8, top_k=5, top_p=0.9, sampling_noise=noise)
+    batch_ids, batch_mask = _sample(policy, query_ids, query_mask, seeds, **sampling)
+    again = _sample(policy, query_ids, query_mask, seeds, **sampling)
     assert torch.equal(again[0], batch_ids)
     for row in (0, 1, 7):
         alone_ids, alone_mask = _sample(policy, query_ids[row : row + 1, query_mask[row]], query_mask[row : row + 1,
-                                        query_mask[row]], seeds[row : row + 1], temperature=0.8, top_k=5, top_p=0.9)
+                                        query_mask[row]], seeds[row : row + 1], **sampling)
         assert alone_ids[0, : alone_mask.sum()].tolist() == batch_ids[row, : batch_mask[row].sum()].tolist()
-    other_ids, _ = _sample(policy, query_ids, query_mask, [s + 1 for s in seeds])
+    order = [9, 3, 0, 7, 1, 2, 8, 4, 6, 5]  # another batch composition: the rows shuffled
+    shuffled_ids, shuffled_mask = _sample(policy, query_ids[order], query_mask[order], [seeds[r] for r in order],
+                                          **sampling)
+    for position, row in enumerate(order):
+        assert (shuffled_ids[position, : shuffled_mask[position].sum()].tolist()
+                == batch_ids[row, : batch_mask[row].sum()].tolist())
+    other_ids, _ = _sample(policy, query_ids, query_mask, [s + 1 for s in seeds], sampling_noise=noise)
     assert not torch.equal(other_ids, batch_ids)
     torch.manual_seed(3)  # without row seeds, they come from torch's global RNG
-    first = _sample(policy, query_ids, query_mask, None)
+    first = _sample(policy, query_ids, query_mask, None, sampling_noise=noise)
     torch.manual_seed(3)
-    assert torch.equal(_sample(policy, query_ids, query_mask, None)[0], first[0])
+    assert torch.equal(_sample(policy, query_ids, query_mask, None, sampling_noise=noise)[0], first[0])
+
+
+def test_the_two_noise_sources_sample_differently():
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    by_generators = _sample(policy, query_ids, query_mask, range(10), sampling_noise="row_generators")[0]
+    assert not torch.equal(_sample(policy, query_ids, query_mask, range(10), sampling_noise="counter_hash")[0],
+                           by_generators)
+    with pytest.raises(ValueError, match="sampling_noise"):
+        _sample(policy, query_ids, query_mask, range(10), sampling_noise="philox")
+    with pytest.raises(ValueError, match="2\\^32"):
+        _sample(policy, query_ids, query_mask, [-1] * 10, sampling_noise="counter_hash")
+
+
+def _lowbias32(x: int) -> int:
+    """The reference: Wellons' lowbias32 on Python ints."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_lowbias32_and_the_uniforms_are_a_function_of_seed_position_token():
+    values = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF] + torch.randint(2**32, (64,)).tolist()
+    as_int32 = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
+    assert [v & 0xFFFFFFFF for v in mix32(as_int32).tolist()] == [_lowbias32(v) for v in values]
+    seeds = torch.tensor([7, 8, 2**31 - 5], dtype=torch.int32)
+    u = counter_uniforms(seeds, 3, 50)
+    assert u.shape == (3, 50) and u.dtype == torch.float32 and ((u > 0) & (u < 1)).all()
+    assert torch.equal(counter_uniforms(seeds[[2, 0]], 3, 50), u[[2, 0]])  # per row, whatever the batch
+    assert torch.equal(counter_uniforms(seeds, 3, 20), u[:, :20])  # per token
+    assert not torch.equal(counter_uniforms(seeds, 4, 50), u)  # per position
+    many = counter_uniforms(torch.arange(400, dtype=torch.int32), 0, 500).double()
+    assert abs(many.mean().item() - 0.5) < 4 * (1 / 12 / many.numel()) ** 0.5
+    assert abs(((many[:, 1:] - 0.5) * (many[:, :-1] - 0.5)).mean().item() * 12) < 4 / many.numel() ** 0.5
+
+
+def _chi_square_rejects(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
+    """Pearson's chi-square test at the 0.1 % level (Wilson-Hilferty quantile); zero-probability tokens must
+    never be drawn."""
+    if (counts[expected_probs == 0] > 0).any():
+        return True
+    support = expected_probs > 0
+    expected = expected_probs[support] * counts.sum()
+    statistic = ((counts[support] - expected) ** 2 / expected).sum().item()
+    df = int(support.sum()) - 1
+    quantile = df * (1 - 2 / (9 * df) + 3.0902 * (2 / (9 * df)) ** 0.5) ** 3
+    return statistic > quantile
+
+
+@pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 4, 1.0), (1.3, 0, 0.8), (0.9, 5, 0.9)])
+def test_chi_square_sampled_tokens_follow_the_warped_softmax(noise, temperature, top_k, top_p):
+    """Tokens drawn by greedy decoding of warped logits plus the noise, over 20,000 row seeds and 3 positions,
+    follow softmax(logits / T) restricted by top-k / top-p; the same counts are rejected against the
+    unwarped softmax (the test has the power to fail)."""
+    vocab, rows = 12, 20_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 1.5
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    seeds = list(range(rows))
+    noise_processor = (CounterGumbelNoise(seeds, torch.device("cpu")) if noise == "counter_hash" else
+                       RowGumbelNoise([torch.Generator().manual_seed(seed) for seed in seeds]))
+    dummy_ids = torch.zeros(rows, 1, dtype=torch.long)
+    warped = warpers(dummy_ids, logits.expand(rows, vocab).clone())
+    expected = torch.softmax(warped[0], dim=-1)
+    for _ in range(3):  # successive positions draw fresh noise
+        tokens = noise_processor(dummy_ids, warped.clone()).argmax(-1)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        assert not _chi_square_rejects(counts, expected.double())
+        assert _chi_square_rejects(counts, torch.softmax(logits, dim=-1).double())
 
 
 def test_samples_follow_softmax_of_scaled_logits_with_top_k():
