@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from marlhf.demo.config import GROUP_METHODS, SAMPLES_PER_PROMPT, DemoConfig, parse_termination
 from marlhf.demo.pretrain import pretrain, tiny_llama
-from marlhf.demo.report import load_method_runs, plot_curves, summarize, write_report
+from marlhf.demo.report import load_method_runs, plot_curves, results_table, summarize, write_report
 from marlhf.demo.task import SyntheticTask, TaskConfig
 from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.evaluation.evaluate import reward_model_scores, sampled_batches
@@ -277,6 +277,7 @@ def _run_demo(config: DemoConfig) -> dict:
     write_report(summary, out / "report.md", "curves.png",
                  examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in finals}},
                  task=task)
+    tqdm.write("\n".join(["", *results_table(summary), ""]))
     tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
     return summary
 

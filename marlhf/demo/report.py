@@ -116,21 +116,10 @@ def mark_words(task: SyntheticTask, response: str) -> str:
     return " ".join(marked)
 
 
-def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict[str, dict],
-                 task: SyntheticTask) -> None:
-    """report.md: what was run, the plot, one table row per method, one marked-up sample per model."""
+def results_table(summary: dict) -> list[str]:
+    """The markdown table of report.md (one row per method, SFT first); the demo also prints it."""
     sft = summary["sft"]
     lines = [
-        "# marlhf demo: token-level PPO against MA-PPO on a synthetic task with a gold reward",
-        "",
-        f"Seeds {', '.join(str(s) for s in summary['seeds'])}; wall time {summary['wall_seconds']:.0f} s "
-        f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
-        "PPO optimises the reward model's score; the gold reward (in [-1, 1]) is the task's true objective.",
-        "",
-        f"![gold and reward-model reward against step]({plot_name})",
-        "",
-        "Final evaluation on held-out prompts (one sample per prompt, temperature 0.8), mean ± std over seeds:",
-        "",
         "| method | gold reward | RM score | KL to SFT | train gold (final) | steps to PPO's final gold | speed-up |",
         "|---|---|---|---|---|---|---|",
         f"| SFT (start) | {sft['gold_reward']:.3f} | {sft['rm_reward']:.3f} | 0 | - | - | - |",
@@ -144,6 +133,25 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
             f"| {entry['kl_final']:.2f} | {'-' if train_gold is None else f'{train_gold:.3f}'} "
             f"| {'-' if train_gold is None else 'never' if parity is None else parity} "
             f"| {'-' if speedup is None else f'{speedup:.2f}x'} |")
+    return lines
+
+
+def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict[str, dict],
+                 task: SyntheticTask) -> None:
+    """report.md: what was run, the plot, one table row per method, one marked-up sample per model."""
+    lines = [
+        "# marlhf demo: token-level PPO against MA-PPO on a synthetic task with a gold reward",
+        "",
+        f"Seeds {', '.join(str(s) for s in summary['seeds'])}; wall time {summary['wall_seconds']:.0f} s "
+        f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
+        "PPO optimises the reward model's score; the gold reward (in [-1, 1]) is the task's true objective.",
+        "",
+        f"![gold and reward-model reward against step]({plot_name})",
+        "",
+        "Final evaluation on held-out prompts (one sample per prompt, temperature 0.8), mean ± std over seeds:",
+        "",
+        *results_table(summary),
+    ]
     if set(summary["methods"]) & set(typing.get_args(BaselineMethod)):
         lines += ["", f"rloo, grpo and reinforce are the PPO loop without a critic, with token-level ratios (rloo and "
                       f"grpo sample {SAMPLES_PER_PROMPT} responses to each of 1/{SAMPLES_PER_PROMPT} of the prompts, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -19,12 +21,14 @@ STEPS = DemoConfig.quick().ppo_steps
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA, methods=BASELINES))
-    return out, summary
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA, methods=BASELINES))
+    return out, summary, printed.getvalue()
 
 
 def test_every_file_is_written(demo_run):
-    out, _ = demo_run
+    out, _, _ = demo_run
     for name in ("summary.json", "curves.png", "report.md", "demo_config.yaml"):
         assert (out / name).stat().st_size > 0, name
     for stage in ("base", "sft", "reward"):
@@ -41,8 +45,18 @@ def test_every_file_is_written(demo_run):
         assert (out / "runs" / "dpo" / "seed0" / name).stat().st_size > 0, name
 
 
+def test_console_shows_stage_lines_and_the_results_table(demo_run):
+    out, _, printed = demo_run
+    report = (out / "report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    assert len(table) == 3 + len(METHODS + EXTRA_METHODS + BASELINES)
+    assert "\n".join(table) in printed  # the report's table, printed as it stands
+    for stage in ("pretrain", "sft", "reward model", "ppo"):
+        assert f"[demo] {stage} done in" in printed
+
+
 def test_summary_schema(demo_run):
-    out, summary = demo_run
+    out, summary, _ = demo_run
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["methods"]) == list(METHODS + EXTRA_METHODS + BASELINES)
     assert isinstance(summary["wall_seconds"], float) and summary["wall_seconds"] > 0
@@ -58,7 +72,7 @@ def test_summary_schema(demo_run):
 
 
 def test_logs_have_one_row_per_step(demo_run):
-    out, _ = demo_run
+    out, _, _ = demo_run
     for method in METHODS + EXTRA_METHODS + ("reinforce",):
         run_dir = out / "runs" / method / "seed0"
         gold = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
@@ -80,7 +94,7 @@ def test_logs_have_one_row_per_step(demo_run):
 
 
 def test_reward_model_score_rises_during_ppo(demo_run):
-    out, summary = demo_run
+    out, summary, _ = demo_run
     for method in METHODS:
         rows = [json.loads(line) for line in (out / "runs" / method / "seed0" / "gold.jsonl").read_text().splitlines()]
         first, last = rows[:3], rows[-3:]
