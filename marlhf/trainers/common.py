@@ -60,6 +60,11 @@ def make_accelerator(config: RunConfig) -> Accelerator:
                          f"{accelerator.distributed_type.value} ({accelerator.num_processes} process(es)): it shards "
                          "with FSDP only in distributed runs on GPUs (or other accelerators), not on CPUs; launch "
                          "with configs/accelerate/ddp.yaml to train unsharded")
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise ValueError(f"the launch asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but Accelerate set up "
+                         f"{accelerator.distributed_type.value} ({accelerator.num_processes} process(es)): it runs "
+                         "DeepSpeed only on GPUs (or other accelerators), not on CPUs; launch with "
+                         "configs/accelerate/ddp.yaml to train unsharded")
     if accelerator.distributed_type == DistributedType.FSDP and getattr(config, "use_lora", False):
         # Seen on CPU under FSDP2: peft's generate mixes sharded and plain tensors, and merging the adapters
         # into a copy of the sharded model fails.

@@ -34,7 +34,8 @@ Data parallel (Accelerate): each process samples responses to its own prompts, e
 random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
 token normalisation span all processes. So N processes with P prompts each train like one process with
 N x P prompts (exactly so when a step makes one update), and a resumed run samples what the uninterrupted
-one sampled.
+one sampled. Under DeepSpeed (ZeRO-2/3) policy and critic get an engine each, and each engine runs its own
+backward and steps once per mini-batch (marlhf.trainers.common.backward, optimizer_step).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from marlhf.advantages import kl_penalized_rewards, whiten
 from marlhf.config import TrainingConfig, option
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.data.records import require_fields
-from marlhf.engines import engine_class, get_engine
+from marlhf.engines import HFEngine, engine_class, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.imports import import_function
 from marlhf.logging_utils import reduce_metrics
@@ -67,9 +68,9 @@ from marlhf.rollout import (RewardFn, Rollout, length_sorted_chunks, response_lo
                             score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, get_termination, segment
-from marlhf.trainers.common import (BatchPlan, FiniteUpdates, accumulation_context, make_accelerator, make_optimizer,
-                                    make_scheduler, maybe_save_checkpoint, optimizer_step, records_from_config,
-                                    save_final_model, start_run)
+from marlhf.trainers.common import (BatchPlan, FiniteUpdates, accumulation_context, backward, configure_deepspeed,
+                                    make_accelerator, make_optimizer, make_scheduler, maybe_save_checkpoint,
+                                    optimizer_step, records_from_config, save_final_model, start_run)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,6 +115,9 @@ class PPOConfig(TrainingConfig):
                                      "log-probs)", ge=0.01)
     top_k: int = option(50, "sample from the k most likely tokens (0: no top-k)", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
+    sampling_noise: Literal["row_generators", "counter_hash"] = option(
+        "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
+                          "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
 
     # Macro actions.
     termination: str = option(
@@ -187,7 +191,7 @@ class PPOConfig(TrainingConfig):
     HELP_SECTIONS = {
         "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size",
                      "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
-                     "top_p"),
+                     "top_p", "sampling_noise"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
         "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt",
@@ -212,6 +216,9 @@ class PPOConfig(TrainingConfig):
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
         engine_class(self.rollout_engine)  # an unknown name stops here
+        if self.sampling_noise != "row_generators" and not issubclass(engine_class(self.rollout_engine), HFEngine):
+            raise ValueError(f"sampling_noise={self.sampling_noise!r} is the hf engine's option; rollout_engine="
+                             f"{self.rollout_engine!r} seeds its own sampling")
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.loss_agg_mode != "token-mean" and self.segment_weighting != "tokens":
@@ -372,12 +379,13 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     kept = None
+    hf_options = {"sampling_noise": config.sampling_noise} if isinstance(run.engine, HFEngine) else {}
     with accelerator.autocast():
         response_ids, response_mask, *sampled_logprobs = run.engine.generate(
             query_ids, query_mask, row_seeds=row_seeds,
             max_new_tokens=config.max_response_length,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-            eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id, **hf_options,
             return_logprobs=config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward)
         clock["generation"] = _clock(device)
         batch = (query_ids, query_mask, response_ids, response_mask)
@@ -476,7 +484,7 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                                                         advantages[piece, cols], piece_mask, segment_ids[piece, cols],
                                                         config.clip_range, config.ratio_granularity,
                                                         config.segment_weighting, config.loss_agg_mode, num_slots)
-                        accelerator.backward(pg_loss * policy_weight)
+                        backward(accelerator, policy, pg_loss * policy_weight, is_last_piece)
                     stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
                              "policy/approxkl": pg_stats["approxkl"]}
                     if critic is not None:
@@ -489,7 +497,7 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                             vf_loss, vf_stats = value_loss(values, rollout.values[piece, cols], returns[piece, cols],
                                                            piece_mask, value_segments, config.value_clip_range,
                                                            config.value_weighting, config.loss_agg_mode, num_slots)
-                            accelerator.backward(vf_loss * value_weight)
+                            backward(accelerator, critic, vf_loss * value_weight, is_last_piece)
                         stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
                     for name, value in stats.items():
                         update_stats.setdefault(name, []).append(value)
@@ -601,6 +609,9 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
     policy_optimizer = make_optimizer(policy, config)
     policy_scheduler = make_scheduler(policy_optimizer, config, plan.total_steps * updates_per_step)
+    # Under DeepSpeed policy and critic get an engine each (the critic's prepare logs that Accelerate's own
+    # backward stays tied to the policy's engine: ppo_update calls each engine's backward itself).
+    configure_deepspeed(accelerator, config, piece_size)
     policy, policy_optimizer = accelerator.prepare(policy, policy_optimizer)
     models, optimizers, schedulers = {"policy": policy}, {"policy": policy_optimizer}, {"policy": policy_scheduler}
     if config.uses_critic:
@@ -642,8 +653,9 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()
+    trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
     policy = accelerator.unwrap_model(policy)
     if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
-        policy = merge_lora(policy)
-    save_final_model(policy, tokenizer, config.output_dir, accelerator)
+        trained = policy = merge_lora(policy)
+    save_final_model(trained, tokenizer, config.output_dir, accelerator)
     return policy

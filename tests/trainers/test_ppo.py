@@ -283,8 +283,9 @@ def test_code_reward_fn_scores_programs_on_their_record_tests():
         code_reward_fn([{"prompt": "add", "input_output": tests}, {"prompt": "add", "input_output": "{}"}])
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora):
+@pytest.mark.parametrize("lora, noise", [(False, "row_generators"), (True, "row_generators"), (False, "counter_hash")],
+                         ids=["full", "lora", "counter_hash"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora, noise):
     """Loaded from directories as the CLI does: policy/reference from the SFT dir, critic and frozen reward
     model from the reward-model dir. Killed after logging step 2 (before its checkpoint), resumed from
     checkpoint-1: steps 2 and 3 and the final policy must come out as in the uninterrupted run. A LoRA run's
@@ -293,7 +294,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir
     reward_model_dir = tmp_path / "rm"
     ScalarHeadModel(make_tiny_causal_lm(seed=7).model).save_pretrained(reward_model_dir)
     common = dict(model_name_or_path=str(tiny_model_dir), reward_model_name_or_path=str(reward_model_dir),
-                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2)
+                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2, sampling_noise=noise)
     if lora:
         common.update(use_lora=True, lora_r=4, lora_alpha=8.0)
     straight = _config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
