@@ -8,6 +8,12 @@ runs one PPO epoch (default mini-batch 16: one update of policy and critic, whic
 and critic forwards, so "scoring" includes them and "update" is mostly backward passes). The first `--warmup`
 steps are dropped; the mean and min of the rest are printed, from the time/* metrics train_ppo logs.
 
+Distance to the physical limit: each phase's model FLOPs (from parameter counts and the real token counts:
+2 x matmul parameters per token for a forward, twice that for a backward, plus causal attention 4 x layers x
+hidden x context per token), over its mean wall time, against the machine's float32 matmul peak, measured in
+the same run by a large GEMM (best of several). Padding tokens and non-matmul work count as overhead, as in
+the usual model-FLOPs utilisation.
+
     python benchmarks/ppo_step.py [--batch 16] [--new-tokens 64] [--steps 6] [--warmup 2] [--ngram 5] [--threads N]
 """
 
@@ -17,6 +23,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import time
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -48,6 +55,55 @@ def llama(tokenizer, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+def matmul_peak_flops(size: int, repeats: int = 5) -> float:
+    """Float32 FLOP/s of the best of `repeats` size x size GEMMs (the machine's practical peak)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = (torch.randn(size, size, device=device) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first one warms up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def forward_flops(matmul_parameters: int, layers: int, hidden: int, rows: int, start: int, end: int) -> float:
+    """Forward FLOPs of `rows` sequences over positions [start, end) given the earlier ones (KV cache): 2 per
+    matmul parameter per token plus causal attention, 4 x layers x hidden per (token, attended position)."""
+    tokens = end - start
+    attended = (end * (end + 1) - start * (start + 1)) / 2  # sum of the context lengths 1..end past start
+    return rows * (2 * matmul_parameters * tokens + 4 * layers * hidden * attended)
+
+
+def phase_flops(policy: LlamaForCausalLM, batch: int, prompt_length: float, response_length: float,
+                reuses_forward: bool) -> dict[str, float]:
+    """Model FLOPs of one PPO step's phases: generation (prefill + one token at a time), scoring (policy,
+    reference, critic and reward-model forwards of prompt + response), update (backward of policy and critic,
+    plus their forwards when the update does not reuse the scoring's)."""
+    config = policy.config
+    embedding = policy.get_input_embeddings().weight.numel()
+    lm_parameters = sum(p.numel() for p in policy.parameters()) - embedding  # the LM head is a matmul
+    head = policy.get_output_embeddings().weight.numel()
+    scalar_parameters = lm_parameters - head  # critic / reward model: the backbone and a 1-wide head
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    prompt, total = round(prompt_length), round(prompt_length + response_length)
+
+    def forward(parameters: int, start: int = 0, end: int = total) -> float:
+        return forward_flops(parameters, layers, hidden, batch, start, end)
+
+    generation = forward(lm_parameters, 0, prompt) + forward(lm_parameters, prompt, total)
+    scoring = 2 * forward(lm_parameters) + 2 * forward(scalar_parameters)
+    update = 2 * (forward(lm_parameters) + forward(scalar_parameters))  # backward = 2 x forward
+    if not reuses_forward:
+        update += forward(lm_parameters) + forward(scalar_parameters)
+    return {"time/generation": generation, "time/scoring": scoring, "time/update": update,
+            "time/step_seconds": generation + scoring + update}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16, help="prompts (= responses) per PPO step")
@@ -57,6 +113,8 @@ def main() -> None:
     parser.add_argument("--mini-batch", type=int, default=16)
     parser.add_argument("--ngram", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--gemm-size", type=int, default=None,
+                        help="side of the GEMM that measures the matmul peak (default: 2048 on CPU, 8192 on GPU)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -77,6 +135,7 @@ def main() -> None:
                            save_steps=0, learning_rate=1e-5, critic_learning_rate=1e-5)
         train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
         metrics = read_metrics(output_dir)[args.warmup:]
+    peak = matmul_peak_flops(args.gemm_size or (8192 if torch.cuda.is_available() else 2048))
 
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(f"policy {num_parameters / 1e6:.1f}M parameters (x4 models), batch {args.batch}, "
@@ -85,12 +144,17 @@ def main() -> None:
     mean_length = statistics.mean(m["objective/response_length"] for m in metrics)
     print(f"mean response length {mean_length:.1f} tokens")
     step_mean = statistics.mean(m["time/step_seconds"] for m in metrics)
-    print(f"{'phase':<12}{'mean s':>9}{'min s':>9}{'share':>8}")
+    prompt_length = statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in prompts)
+    flops = phase_flops(policy, args.batch, prompt_length, mean_length, config.reuses_rollout_forward)
+    print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (GEMM in this run)")
+    print(f"{'phase':<12}{'mean s':>9}{'min s':>9}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'of peak':>9}")
     for phase in PHASES:
         values = [m[phase] for m in metrics]
         name = phase.removeprefix("time/").removesuffix("_seconds")
         mean = statistics.mean(values)
-        print(f"{name:<12}{mean:>9.3f}{min(values):>9.3f}{mean / step_mean:>8.0%}")
+        rate = flops[phase] / mean
+        print(f"{name:<12}{mean:>9.3f}{min(values):>9.3f}{mean / step_mean:>8.0%}{flops[phase] / 1e9:>9.2f}"
+              f"{rate / 1e9:>9.2f}{rate / peak:>9.1%}")
 
 
 if __name__ == "__main__":
