@@ -2,7 +2,9 @@
 # PPO step throughput of marlhf on one GPU for a ~110M-parameter Llama built from a config (random weights,
 # nothing downloaded): policy, reference, critic and reward model of that size, bf16 autocast, token-level
 # macro actions of n=5 (the paper's default rule). Prints the GPU name, the parameter count, steps/s,
-# sampled tokens/s and peak GPU memory, from the time/* metrics of train_ppo after warm-up steps.
+# sampled tokens/s and peak GPU memory, from the time/* metrics of train_ppo after warm-up steps. Then, in the
+# same run, ppo_step.py's phases against the float32 GEMM peak (model-FLOPs utilisation) and generation.py's
+# sampling options (sampling_noise x kv_cache) side by side. (vs_trl.py runs on CPU only: not part of it.)
 #
 #   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
 #   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
@@ -79,3 +81,13 @@ print(f"PPO throughput: {1 / seconds:.3f} steps/s, {tokens / seconds:.0f} sample
 if on_gpu:
     print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 PY
+
+if [[ $TINY == 1 ]]; then
+  STEP_ARGS=(--batch 4 --mini-batch 4 --new-tokens 8 --steps 1 --warmup 0 --gemm-size 256); GEN_ARGS=(--batch 4 --new-tokens 8 --rounds 1)
+else
+  STEP_ARGS=(--batch "${BATCH:-32}" --mini-batch "${BATCH:-32}" --new-tokens "${NEW_TOKENS:-128}"); GEN_ARGS=(--batch 256 --new-tokens "${NEW_TOKENS:-128}")
+fi
+echo; echo "== PPO step phases against the float32 GEMM peak (benchmarks/ppo_step.py)"
+TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/ppo_step.py "${STEP_ARGS[@]}"
+echo; echo "== sampling options side by side (benchmarks/generation.py)"
+TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/generation.py "${GEN_ARGS[@]}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import warnings
@@ -60,8 +61,12 @@ def _config_class(parser: argparse.ArgumentParser, module_name: str, config_name
     return getattr(module, config_name)
 
 
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
 def quiet_libraries(verbose: bool) -> None:
-    """Silence transformers', datasets' and the Hub's progress bars, info messages and warnings (not errors),
+    """Silence transformers', datasets', DeepSpeed's and the Hub's progress bars, info messages and warnings (not errors),
     unless `verbose`."""
     if verbose:
         return
@@ -72,6 +77,9 @@ def quiet_libraries(verbose: bool) -> None:
 
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
+    # DeepSpeed resets its logger's level when imported (Accelerate imports it whenever it is installed); a
+    # filter stays.
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)
     for module in ("transformers", "accelerate", "datasets", "peft"):
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)

@@ -13,8 +13,9 @@ with the conventions of :mod:`marlhf.rollout`: prompts left-padded, responses ri
 stream seeded by `row_seeds[b]`, so a response depends only on its prompt and seed.
 
 `hf` (`HFEngine`) is the one built in: transformers' `generate` on the policy itself, so `sync_weights`
-has nothing to copy; its `generate` also takes `sampling_noise` (`marlhf.rollout.generate_responses`). A
-vLLM (or SGLang) engine is one new file that registers itself, and no trainer edit:
+has nothing to copy; its `generate` also takes `sampling_noise` and `kv_cache`
+(`marlhf.rollout.generate_responses`). A vLLM (or SGLang) engine is one new file that registers itself, and no
+trainer edit:
 
 - `sync_weights(policy)`: push the policy's state dict into the inference engine's model (with LoRA, the
   merged weights), e.g. through a worker-side `load_weights`, as OpenRLHF and verl do; the trainer calls it on

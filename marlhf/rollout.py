@@ -153,6 +153,7 @@ def generate_responses(
     row_seeds: Sequence[int] | None = None,
     return_logprobs: bool = False,
     sampling_noise: Literal["row_generators", "counter_hash"] = "row_generators",
+    kv_cache: Literal["dynamic", "static"] = "dynamic",
 ) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
     `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns
@@ -161,7 +162,9 @@ def generate_responses(
     `[B, T]` (0 on padding; those of response_logprobs up to float error, larger in low precision). Sampling
     settings not given here (e.g. a repetition penalty) come from `policy.generation_config`; such
     settings act before the temperature, so the returned log-probs include them. `sampling_noise`: where each
-    row's Gumbel noise comes from (module docstring); the two give different, equally distributed samples."""
+    row's Gumbel noise comes from (module docstring); the two give different, equally distributed samples.
+    `kv_cache`: transformers' cache, grown by concatenation each token (`dynamic`) or allocated once for
+    prompt + max_new_tokens (`static`: no per-token copies, fixed shapes for compiled kernels); the same tokens."""
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
@@ -190,6 +193,9 @@ def generate_responses(
         processors.append(CounterGumbelNoise(row_seeds, query_ids.device))
     else:
         raise ValueError(f"`sampling_noise` must be 'row_generators' or 'counter_hash', got {sampling_noise!r}")
+    if kv_cache not in ("dynamic", "static"):
+        raise ValueError(f"`kv_cache` must be 'dynamic' or 'static', got {kv_cache!r}")
+    cache = {"cache_implementation": "static"} if kv_cache == "static" else {}
     sequences = policy.generate(
         input_ids=query_ids,
         attention_mask=query_mask.long(),
@@ -201,6 +207,7 @@ def generate_responses(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
+        **cache,
     )
     response_ids = sequences[:, query_ids.shape[1] :]
     response_mask = response_mask_from_ids(response_ids, eos_token_id)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
             assert not transformers_logging.is_progress_bar_enabled()
             assert transformers_logging.get_verbosity() == transformers_logging.ERROR
             assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+            deepspeed_logger = logging.getLogger("DeepSpeed")
+            assert not deepspeed_logger.filter(logging.makeLogRecord({"levelno": logging.WARNING}))
+            assert deepspeed_logger.filter(logging.makeLogRecord({"levelno": logging.ERROR}))
         finally:
             transformers_logging.enable_progress_bar()
             transformers_logging.set_verbosity_warning()

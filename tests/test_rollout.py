@@ -90,6 +90,19 @@ def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
     assert torch.equal(_sample(policy, query_ids, query_mask, None, sampling_noise=noise)[0], first[0])
 
 
+@pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])
+def test_a_static_kv_cache_samples_the_same_tokens_and_logprobs(noise):
+    policy = _eight_token_lm()
+    query_ids, query_mask = _prompts()
+    dynamic = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True)
+    static = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True,
+                     kv_cache="static")
+    assert torch.equal(static[0], dynamic[0]) and torch.equal(static[1], dynamic[1])
+    torch.testing.assert_close(static[2], dynamic[2], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="kv_cache"):
+        _sample(policy, query_ids, query_mask, range(10), kv_cache="paged")
+
+
 def test_the_two_noise_sources_sample_differently():
     policy = _eight_token_lm()
     query_ids, query_mask = _prompts()

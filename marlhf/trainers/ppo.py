@@ -118,6 +118,8 @@ class PPOConfig(TrainingConfig):
     sampling_noise: Literal["row_generators", "counter_hash"] = option(
         "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
                           "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
+    kv_cache: Literal["dynamic", "static"] = option(
+        "dynamic", "the hf engine's KV cache: grown each token (dynamic) or allocated once (static); same samples")
 
     # Macro actions.
     termination: str = option(
@@ -191,7 +193,7 @@ class PPOConfig(TrainingConfig):
     HELP_SECTIONS = {
         "sampling": ("rollout_engine", "rollout_logprobs", "logprob_temperature", "forward_batch_size",
                      "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
-                     "top_p", "sampling_noise"),
+                     "top_p", "sampling_noise", "kv_cache"),
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
         "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt",
@@ -216,9 +218,11 @@ class PPOConfig(TrainingConfig):
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
         engine_class(self.rollout_engine)  # an unknown name stops here
-        if self.sampling_noise != "row_generators" and not issubclass(engine_class(self.rollout_engine), HFEngine):
-            raise ValueError(f"sampling_noise={self.sampling_noise!r} is the hf engine's option; rollout_engine="
-                             f"{self.rollout_engine!r} seeds its own sampling")
+        hf_options = {"sampling_noise": "row_generators", "kv_cache": "dynamic"}
+        for name, default in hf_options.items():
+            if getattr(self, name) != default and not issubclass(engine_class(self.rollout_engine), HFEngine):
+                raise ValueError(f"{name}={getattr(self, name)!r} is the hf engine's option; rollout_engine="
+                                 f"{self.rollout_engine!r} samples its own way")
         if self.segment_weighting != "tokens" and self.ratio_granularity == "token":
             raise ValueError(f"segment_weighting={self.segment_weighting!r} needs ratio_granularity='macro'")
         if self.loss_agg_mode != "token-mean" and self.segment_weighting != "tokens":
@@ -379,7 +383,8 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> tuple[Ro
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     kept = None
-    hf_options = {"sampling_noise": config.sampling_noise} if isinstance(run.engine, HFEngine) else {}
+    hf_options = (dict(sampling_noise=config.sampling_noise, kv_cache=config.kv_cache)
+                  if isinstance(run.engine, HFEngine) else {})
     with accelerator.autocast():
         response_ids, response_mask, *sampled_logprobs = run.engine.generate(
             query_ids, query_mask, row_seeds=row_seeds,

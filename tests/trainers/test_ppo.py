@@ -204,6 +204,18 @@ def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_t
         assert {k: mine[k] for k in batch_level} == pytest.approx(batch_level, rel=1e-5, abs=1e-6)
 
 
+def test_a_static_kv_cache_trains_exactly_like_the_dynamic_one(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    runs = []
+    for kv_cache in ("dynamic", "static"):
+        output_dir = tmp_path / kv_cache
+        policy = train_ppo(_config(tmp_path, output_dir=str(output_dir), kv_cache=kv_cache), RECORDS,
+                           policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+        runs.append((policy.state_dict(), _metrics_without_timings(output_dir)))
+    (dynamic, dynamic_metrics), (static, static_metrics) = runs
+    assert static_metrics == dynamic_metrics
+    assert all(torch.equal(static[name], tensor) for name, tensor in dynamic.items())
+
+
 def test_raw_logits_convention_scores_at_temperature_one(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
     """logprob_temperature='raw' (the released code): ratio, KL and perplexity log-probs from raw logits, while
     sampling keeps the temperature."""

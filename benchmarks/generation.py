@@ -1,0 +1,79 @@
+"""Generation options side by side: seconds to sample a batch with each hf-engine option, and whether the
+responses are identical to the default's.
+
+The policy and tokenizer of ppo_step.py (a ~5M-parameter Llama, 4,096-word vocabulary, random weights), a batch
+of prompts of 32-64 tokens, `--new-tokens` sampled tokens. Options: `sampling_noise` (row_generators: one torch
+generator per row; counter_hash: one batched hash for all rows) and `kv_cache` (dynamic; static). The options
+run in alternating rounds (the machine's noise hits all of them alike); the median and min of the rounds are
+printed with each option's median over the default's. Exactness: each option's responses against those of the
+same noise with the dynamic cache (counter_hash samples other, equally distributed, tokens than row_generators).
+
+    python benchmarks/generation.py [--batch 16] [--new-tokens 64] [--rounds 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from ppo_step import VOCAB_SIZE, llama, word_tokenizer
+
+from marlhf.modeling import pad_sequences
+from marlhf.rollout import generate_responses
+
+OPTIONS = [("row_generators", "dynamic"), ("row_generators", "static"), ("counter_hash", "dynamic"),
+           ("counter_hash", "static")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = word_tokenizer()
+    policy = llama(tokenizer, seed=0).to(device).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(32, 64))] for _ in range(args.batch)]
+    query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+    sampling = dict(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    row_seeds=list(range(args.batch)))
+
+    def sample(noise: str, cache: str) -> tuple[float, torch.Tensor]:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        response_ids, _ = generate_responses(policy, query_ids, query_mask, sampling_noise=noise, kv_cache=cache,
+                                             **sampling)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, response_ids
+
+    responses = {option: sample(*option)[1] for option in OPTIONS}  # also the warm-up
+    seconds: dict[tuple[str, str], list[float]] = {option: [] for option in OPTIONS}
+    for _ in range(args.rounds):
+        for option in OPTIONS:
+            seconds[option].append(sample(*option)[0])
+    where = "cuda" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"generation, batch {args.batch}, {args.new_tokens} new tokens, {where}, {args.rounds} alternating rounds")
+    print(f"{'sampling_noise':<16}{'kv_cache':<10}{'median s':>10}{'min s':>8}{'vs default':>12}  same tokens as")
+    default = statistics.median(seconds[OPTIONS[0]])
+    for noise, cache in OPTIONS:
+        reference = (noise, "dynamic")
+        same = torch.equal(responses[noise, cache], responses[reference])
+        median = statistics.median(seconds[noise, cache])
+        print(f"{noise:<16}{cache:<10}{median:>10.3f}{min(seconds[noise, cache]):>8.3f}{median / default:>11.2f}x"
+              f"  {noise}+dynamic: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
