@@ -28,6 +28,38 @@ wall time between on_step_end callbacks, which includes its own per-step metric 
 Memory: the process's peak resident set size (getrusage ru_maxrss) and that peak minus the resident size just
 before training started, i.e. what training adds on top of the loaded models and libraries. The two sides run
 different transformers releases (marlhf: 5.x, TRL: 4.57), so the model forward itself may differ in speed.
+
+GRPO and RLOO (`--trainer grpo|rloo`): marlhf's `advantage="grpo"|"rloo"` against TRL 1.16's GRPOTrainer and
+RLOOTrainer, in another git-ignored venv with the transformers marlhf uses (5.23.0, which TRL 1.16 accepts):
+
+    python3 -m venv .venv-trl116
+    .venv-trl116/bin/pip install torch==2.13.0 trl==1.16.0 transformers==5.23.0
+    .venv/bin/python benchmarks/vs_trl.py --trainer grpo [--batch 8] [--generations 4] [--new-tokens 64]
+                                          [--pieces 1] [--kl-coef 0.05] [--steps 6] [--warmup 2] [--threads 1]
+
+Workload (both sides): the same policy, its frozen reference copy (TRL loads it from the policy saved to a temporary
+directory, marlhf deep-copies it), `batch` prompts x `generations` samples per step, up to `new_tokens` sampled
+tokens (both stop at EOS), temperature 0.7, no top-k/top-p, a Python reward (count_reward: the number of response
+words ending in 7; no reward model), one optimizer step per generation batch of all batch x generations rows in
+`pieces` gradient-accumulation pieces (TRL: per_device_train_batch_size = rows / pieces, gradient_accumulation_steps
+= pieces, steps_per_generation unset so it defaults to gradient_accumulation_steps and generation_batch_size to
+all rows, num_iterations 1), clip 0.2, AdamW at 1e-5 with a linear schedule, float32, no gradient checkpointing, no
+vLLM, no logging, evaluation, saving or completion printing. Pinned per algorithm (what is printed as `options`):
+  grpo: group-std-scaled advantages (TRL scale_rewards="group", marlhf grpo_normalize_std), per-token ratios
+        (marlhf ngram=1), loss averaged over all tokens of the update (TRL loss_type="dapo", marlhf token-mean).
+  rloo: leave-one-out baseline, no advantage normalisation, one sequence-level ratio (marlhf ngram=None), loss
+        averaged over sequences (marlhf loss_agg_mode="seq-mean-token-mean"), KL summed into the reward (k1) on both.
+Both keep a reference with KL coefficient `kl_coef` (TRL beta): marlhf always scores the reference, even at
+kl_coef 0, while TRL's beta=0 drops it, so a reference on both sides is the like-for-like setting (`--kl-coef 0`
+gives TRL's default, with one reference forward a step more on marlhf's side).
+Remaining differences: GRPO's KL is k1 in the reward in marlhf but TRL's k3 term in the loss (the same reference
+forward either way); TRL's RLOO always runs a no-grad policy forward for the old log-probs, which marlhf with one
+piece takes from the update's own forward (with more pieces marlhf recomputes them too); both sample with
+transformers' `generate`, marlhf with its own Gumbel noise from one generator per row, and marlhf scores in
+length-sorted pieces with their common padding cut; TRL takes log-probs with its chunked float32 lm-head kernel,
+also computes per-token entropies, and gathers its per-step metrics; the prompt pipelines (tokenisation,
+datasets and RepeatSampler in TRL) are each side's own.
+Measured as for PPO; TRL's mean response length is its completions/mean_length metric.
 """
 
 from __future__ import annotations
@@ -49,6 +81,14 @@ LLAMA = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=688, num_
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
 TEMPERATURE = 0.7
 KL_COEF = 0.05
+LEARNING_RATE = 1e-5
+VENVS = {"marlhf": ".venv", "ppo": ".venv-trl", "grpo": ".venv-trl116", "rloo": ".venv-trl116"}
+
+
+def count_reward(prompts, completions, **_):
+    """The same cheap reward on both sides (TRL's reward-function convention, which marlhf also takes): the number
+    of response words ending in 7, so samples of one prompt differ and the group baselines are not all zero."""
+    return [float(sum(word.endswith("7") for word in completion.split())) for completion in completions]
 
 
 def rss_mib() -> float:
@@ -103,6 +143,15 @@ def environment(policy) -> dict:
             "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}}
 
 
+def group_options(args) -> dict:
+    """The marlhf PPOConfig fields that make its GRPO / RLOO the algorithm TRL's trainer runs."""
+    rows = args.batch * args.generations
+    per_trainer = {"grpo": dict(ngram=1, loss_agg_mode="token-mean", grpo_normalize_std=True),
+                   "rloo": dict(ngram=None, loss_agg_mode="seq-mean-token-mean")}[args.trainer]
+    return dict(advantage=args.trainer, num_samples_per_prompt=args.generations, mini_batch_size=rows,
+                kl_coef=args.kl_coef, whiten_advantages=False, clip_range=0.2, **per_trainer)
+
+
 def run_marlhf(args) -> dict:
     import torch
     from transformers import LlamaForCausalLM
@@ -114,30 +163,62 @@ def run_marlhf(args) -> dict:
     tokenizer = word_tokenizer()
     torch.manual_seed(0)
     policy = LlamaForCausalLM(llama_config(tokenizer))
-    torch.manual_seed(1)
-    reward_model = ScalarHeadModel(LlamaForCausalLM(llama_config(tokenizer)).model)
+    if args.trainer == "ppo":
+        torch.manual_seed(1)
+        scorer = dict(reward_model=ScalarHeadModel(LlamaForCausalLM(llama_config(tokenizer)).model))
+        options = dict(mini_batch_size=args.batch, ngram=1, kl_coef=KL_COEF)
+    else:  # critic-free: no reward model or critic, the Python reward
+        scorer, options = dict(reward_fn=count_reward), group_options(args)
     prompts = [{"prompt": text} for text in prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)]
     with tempfile.TemporaryDirectory() as output_dir:
         config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=args.batch,
-                           mini_batch_size=args.batch, gradient_accumulation_steps=args.pieces,
+                           gradient_accumulation_steps=args.pieces,
                            max_prompt_length=args.prompt_lengths[1], max_response_length=args.new_tokens,
                            max_length=args.prompt_lengths[1] + args.new_tokens, max_steps=args.warmup + args.steps, termination="fixed",
-                           ngram=1, temperature=TEMPERATURE, top_k=0, top_p=1.0, kl_coef=KL_COEF, gamma=1.0, lam=0.95,
-                           ppo_epochs=1, save_steps=0, learning_rate=1e-5, critic_learning_rate=1e-5, warmup_ratio=0.0,
-                           lr_scheduler="linear", seed=0, rollout_logprobs=args.rollout_logprobs)
+                           temperature=TEMPERATURE, top_k=0, top_p=1.0, gamma=1.0, lam=0.95,
+                           ppo_epochs=1, save_steps=0, learning_rate=LEARNING_RATE, critic_learning_rate=1e-5,
+                           warmup_ratio=0.0, lr_scheduler="linear", seed=0, rollout_logprobs=args.rollout_logprobs,
+                           **options)
         rss_before = rss_mib()
-        train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
+        train_ppo(config, prompts, policy=policy, tokenizer=tokenizer, **scorer)
         metrics = read_metrics(output_dir)
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
             "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
-            "environment": environment(policy)}
+            "environment": environment(policy) if args.trainer == "ppo" else {
+                **environment(policy), "mixed_precision": config.mixed_precision,
+                "gradient_checkpointing": config.gradient_checkpointing,
+                "options": {**options, "rollout_logprobs": config.rollout_logprobs,
+                            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                            "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}}}
+
+
+def train_timed(trainer, on_step=None) -> tuple[list[float], float]:
+    """Train a transformers Trainer; return the seconds of each optimizer step (between on_step_end callbacks,
+    the first from the start of train()) and the resident size just before training. `on_step()` runs after
+    each step's clock reading."""
+    from transformers import TrainerCallback
+
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            step_ends.append(time.perf_counter())
+            if on_step is not None:
+                on_step()
+
+    trainer.add_callback(StepClock())
+    rss_before = rss_mib()
+    start = time.perf_counter()
+    trainer.train()
+    ticks = [start] + step_ends
+    return [b - a for a, b in zip(ticks, ticks[1:])], rss_before
 
 
 def run_trl(args) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     tokenizer = word_tokenizer()
@@ -149,13 +230,6 @@ def run_trl(args) -> dict:
     value_model.load_state_dict(reward_model.state_dict())  # the critic starts from the reward model, as in marlhf
     texts = prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)
     dataset = Dataset.from_dict({"input_ids": [tokenizer(text)["input_ids"] for text in texts]})
-
-    step_ends: list[float] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            step_ends.append(time.perf_counter())
-
     with tempfile.TemporaryDirectory() as output_dir:
         config = PPOConfig(output_dir=output_dir, per_device_train_batch_size=args.batch // args.pieces,
                            gradient_accumulation_steps=args.pieces,
@@ -171,28 +245,74 @@ def run_trl(args) -> dict:
                            bf16=False, fp16=False, gradient_checkpointing=False)
         trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
                              reward_model=reward_model, value_model=value_model, train_dataset=dataset,
-                             eval_dataset=dataset.select(range(args.batch)), callbacks=[StepClock()])
-        rss_before = rss_mib()
-        start = time.perf_counter()
-        trainer.train()
-    ticks = [start] + step_ends
-    step_seconds = [b - a for a, b in zip(ticks, ticks[1:])][args.warmup:]
-    return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
+                             eval_dataset=dataset.select(range(args.batch)))
+        step_seconds, rss_before = train_timed(trainer)
+    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
             "response_length": float(args.new_tokens),
             "environment": {**environment(policy), "bf16": config.bf16, "fp16": config.fp16,
                             "gradient_checkpointing": config.gradient_checkpointing}}
 
 
+def run_trl_group(args) -> dict:
+    """TRL 1.16's GRPOTrainer or RLOOTrainer on the workload marlhf's run_marlhf gets (see the docstring)."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(llama_config(tokenizer))
+    rows = args.batch * args.generations
+    texts = prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)
+    dataset = Dataset.from_dict({"prompt": texts})
+    common = dict(per_device_train_batch_size=rows // args.pieces, gradient_accumulation_steps=args.pieces,
+                  num_generations=args.generations, max_completion_length=args.new_tokens, num_iterations=1,
+                  temperature=TEMPERATURE, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, beta=args.kl_coef,
+                  epsilon=0.2, mask_truncated_completions=False, use_vllm=False, log_completions=False,
+                  learning_rate=LEARNING_RATE, lr_scheduler_type="linear", warmup_steps=0,
+                  max_steps=args.warmup + args.steps, seed=0, use_cpu=True, dataloader_num_workers=0,
+                  report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no",
+                  disable_tqdm=True,
+                  # TRL's configs default to bf16 autocast and gradient checkpointing; marlhf runs float32 without
+                  # checkpointing (on this CPU bf16 alone made the PPO comparison ~10x off)
+                  bf16=False, fp16=False, gradient_checkpointing=False)
+    per_trainer = {"grpo": dict(scale_rewards="group", loss_type="dapo", importance_sampling_level="token"),
+                   "rloo": dict(normalize_advantages=False, reward_clip_range=None)}[args.trainer]
+    config_class, trainer_class = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[args.trainer]
+    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as output_dir:
+        # TRL builds the reference with from_pretrained(policy.config._name_or_path): give it the policy's weights
+        policy.save_pretrained(model_dir)
+        policy.config._name_or_path = model_dir
+        config = config_class(output_dir=output_dir, **common, **per_trainer)
+        trainer = trainer_class(model=policy, reward_funcs=count_reward, args=config, train_dataset=dataset,
+                                processing_class=tokenizer)
+        # TRL clears its metrics when it logs at the end of train(): copy each step's mean completion length
+        lengths: list[float] = []
+        step_seconds, rss_before = train_timed(
+            trainer, on_step=lambda: lengths.append(trainer._metrics["train"]["completions/mean_length"][-1]))
+    pinned = {name: getattr(config, name) for name in
+              ("generation_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps",
+               "per_device_train_batch_size", "num_generations", "max_completion_length", "beta", "epsilon",
+               "temperature", "top_k", "top_p", "use_vllm", *per_trainer)}
+    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
+            "response_length": statistics.mean(lengths),
+            "environment": {**environment(policy), "bf16": config.bf16, "fp16": config.fp16,
+                            "gradient_checkpointing": config.gradient_checkpointing,
+                            "reference": trainer.ref_model is not None, "options": pinned}}
+
+
 def child(side: str, args) -> dict:
     """Run one side in a fresh process with its own interpreter; return what it printed as JSON."""
-    python = {"marlhf": REPO_ROOT / ".venv" / "bin" / "python", "trl": REPO_ROOT / ".venv-trl" / "bin" / "python"}[side]
+    python = REPO_ROOT / VENVS["marlhf" if side == "marlhf" else args.trainer] / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} is missing: create it as the docstring of {Path(__file__).name} says")
     command = [str(python), __file__, "--side", side, "--batch", str(args.batch), "--pieces", str(args.pieces),
                "--prompt-lengths", *map(str, args.prompt_lengths), "--rollout-logprobs", args.rollout_logprobs,
                "--new-tokens",
                str(args.new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
-               str(args.threads)]
+               str(args.threads), "--trainer", args.trainer, "--generations", str(args.generations),
+               "--kl-coef", str(args.kl_coef)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRL_EXPERIMENTAL_SILENCE": "1", "TQDM_DISABLE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     if result.returncode != 0:
@@ -202,7 +322,12 @@ def child(side: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=16, help="prompts (= responses) per PPO step")
+    parser.add_argument("--trainer", choices=("ppo", "grpo", "rloo"), default="ppo",
+                        help="ppo: against TRL 0.26's PPOTrainer; grpo/rloo: against TRL 1.16's GRPO/RLOOTrainer")
+    parser.add_argument("--batch", type=int, help="prompts per step (default: 16 for ppo, 8 for grpo/rloo)")
+    parser.add_argument("--generations", type=int, default=4, help="grpo/rloo: samples per prompt")
+    parser.add_argument("--kl-coef", type=float, default=KL_COEF,
+                        help="grpo/rloo: KL coefficient of both sides (TRL beta), with a reference on both")
     parser.add_argument("--pieces", type=int, default=1,
                         help="gradient-accumulation pieces the update splits each step's rows into")
     parser.add_argument("--prompt-lengths", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
@@ -216,8 +341,11 @@ def main() -> None:
                         help="torch threads of each side (1: stable figures on a shared machine)")
     parser.add_argument("--side", choices=("marlhf", "trl"), help=argparse.SUPPRESS)  # internal: one child run
     args = parser.parse_args()
-    if args.batch % args.pieces:
-        parser.error(f"--pieces ({args.pieces}) must divide --batch ({args.batch})")
+    if args.batch is None:
+        args.batch = 16 if args.trainer == "ppo" else 8
+    rows = args.batch * (1 if args.trainer == "ppo" else args.generations)
+    if rows % args.pieces:
+        parser.error(f"--pieces ({args.pieces}) must divide the rows per step ({rows})")
 
     if args.side is not None:
         import torch
@@ -225,15 +353,24 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         hf_logging.set_verbosity_error()
-        print(json.dumps((run_marlhf if args.side == "marlhf" else run_trl)(args)))
+        trl_side = run_trl if args.trainer == "ppo" else run_trl_group
+        print(json.dumps((run_marlhf if args.side == "marlhf" else trl_side)(args), default=str))
         return
 
     results = {side: child(side, args) for side in ("marlhf", "trl")}
-    print(f"PPO step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, x4 models), batch "
-          f"{args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, {args.new_tokens} new "
-          f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs={args.rollout_logprobs}, "
-          f"{args.steps} steps after "
-          f"{args.warmup} warm-up, CPU ({os.cpu_count()} cores, {args.threads} torch threads)")
+    if args.trainer != "ppo":
+        print(f"{args.trainer.upper()} step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, "
+              f"policy + {'reference' if args.kl_coef else 'marlhf-only reference'}), {args.batch} prompts x "
+              f"{args.generations} samples, prompts "
+              f"{args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, up to {args.new_tokens} new tokens, Python "
+              f"reward, KL {args.kl_coef}, 1 update in {args.pieces} piece(s), {args.steps} steps after "
+              f"{args.warmup} warm-up, CPU ({os.cpu_count()} cores, {args.threads} torch threads)")
+    else:
+        print(f"PPO step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, x4 models), batch "
+              f"{args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, {args.new_tokens} new "
+              f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs="
+              f"{args.rollout_logprobs}, {args.steps} steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores, "
+              f"{args.threads} torch threads)")
     for side, result in results.items():
         seconds = result["step_seconds"]
         result["steps_per_second"] = 1 / statistics.median(seconds)
