@@ -25,8 +25,8 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (CompileConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from marlhf.modeling import ScalarHeadModel, sequence_logprobs
 
@@ -153,7 +153,7 @@ def generate_responses(
     row_seeds: Sequence[int] | None = None,
     return_logprobs: bool = False,
     sampling_noise: Literal["row_generators", "counter_hash"] = "row_generators",
-    kv_cache: Literal["dynamic", "static"] = "dynamic",
+    kv_cache: Literal["dynamic", "static", "static_compiled"] = "dynamic",
 ) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
     `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns
@@ -164,7 +164,9 @@ def generate_responses(
     settings act before the temperature, so the returned log-probs include them. `sampling_noise`: where each
     row's Gumbel noise comes from (module docstring); the two give different, equally distributed samples.
     `kv_cache`: transformers' cache, grown by concatenation each token (`dynamic`) or allocated once for
-    prompt + max_new_tokens (`static`: no per-token copies, fixed shapes for compiled kernels); the same tokens."""
+    prompt + max_new_tokens (`static`: no per-token copies), or static with the decode step's forward compiled
+    by torch.compile (`static_compiled`, on any device; the first call compiles). `static` stays eager even on
+    GPUs, where transformers would otherwise compile a static-cache decode by itself."""
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
@@ -193,9 +195,16 @@ def generate_responses(
         processors.append(CounterGumbelNoise(row_seeds, query_ids.device))
     else:
         raise ValueError(f"`sampling_noise` must be 'row_generators' or 'counter_hash', got {sampling_noise!r}")
-    if kv_cache not in ("dynamic", "static"):
-        raise ValueError(f"`kv_cache` must be 'dynamic' or 'static', got {kv_cache!r}")
-    cache = {"cache_implementation": "static"} if kv_cache == "static" else {}
+    if kv_cache == "dynamic":
+        cache = {}
+    elif kv_cache == "static":
+        cache = {"cache_implementation": "static", "disable_compile": True}
+    elif kv_cache == "static_compiled":
+        compile_config = CompileConfig()
+        compile_config._compile_all_devices = True  # transformers compiles on CPUs only when asked this way
+        cache = {"cache_implementation": "static", "compile_config": compile_config}
+    else:
+        raise ValueError(f"`kv_cache` must be 'dynamic', 'static' or 'static_compiled', got {kv_cache!r}")
     sequences = policy.generate(
         input_ids=query_ids,
         attention_mask=query_mask.long(),

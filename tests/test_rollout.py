@@ -90,15 +90,19 @@ def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
     assert torch.equal(_sample(policy, query_ids, query_mask, None, sampling_noise=noise)[0], first[0])
 
 
-@pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])
-def test_a_static_kv_cache_samples_the_same_tokens_and_logprobs(noise):
+@pytest.mark.parametrize("noise, kv_cache", [("row_generators", "static"), ("counter_hash", "static"),
+                                             ("row_generators", "static_compiled")])
+def test_a_static_kv_cache_samples_the_same_tokens_and_logprobs(noise, kv_cache):
     policy = _eight_token_lm()
     query_ids, query_mask = _prompts()
     dynamic = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True)
+    torch._dynamo.utils.counters.clear()
     static = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True,
-                     kv_cache="static")
+                     kv_cache=kv_cache)
+    compiled_frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert (compiled_frames > 0) == (kv_cache == "static_compiled")  # compiled exactly when asked
     assert torch.equal(static[0], dynamic[0]) and torch.equal(static[1], dynamic[1])
-    torch.testing.assert_close(static[2], dynamic[2], rtol=0, atol=1e-6)
+    torch.testing.assert_close(static[2], dynamic[2], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="kv_cache"):
         _sample(policy, query_ids, query_mask, range(10), kv_cache="paged")
 

@@ -118,8 +118,9 @@ class PPOConfig(TrainingConfig):
     sampling_noise: Literal["row_generators", "counter_hash"] = option(
         "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
                           "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
-    kv_cache: Literal["dynamic", "static"] = option(
-        "dynamic", "the hf engine's KV cache: grown each token (dynamic) or allocated once (static); same samples")
+    kv_cache: Literal["dynamic", "static", "static_compiled"] = option(
+        "dynamic", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
+                   "the decode step compiled by torch.compile (static_compiled); the same samples")
 
     # Macro actions.
     termination: str = option(
