@@ -85,12 +85,16 @@ def runs(request, one_process_run, two_process_run):
     return one_process_run(advantage), two_process_run(advantage, sharding)
 
 
+def _assert_same_final_policy(expected_run: Path, run: Path) -> None:
+    expected, actual = load_file(str(expected_run / "model.safetensors")), load_file(str(run / "model.safetensors"))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_two_processes_train_like_one_with_the_doubled_batch(runs):
     one, two = runs
-    policy_one, policy_two = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
-    assert policy_one.keys() == policy_two.keys()
-    for name in policy_one:
-        torch.testing.assert_close(policy_two[name], policy_one[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_final_policy(one, two)
 
     metrics_one, metrics_two = read_metrics(one), read_metrics(two)
     assert [m["step"] for m in metrics_two] == [1, 2]
@@ -117,10 +121,7 @@ def test_deepspeed_trains_policy_and_critic_like_ddp(two_process_run, zero):
     the order of the gradient reductions (measured: 2e-7 at most under ZeRO-2, 2e-6 under ZeRO-3), and the
     same metrics, the critic's included."""
     ddp, sharded = two_process_run("gae", "ddp"), two_process_run("gae", zero)
-    policy_ddp, policy_sharded = load_file(str(ddp / "model.safetensors")), load_file(str(sharded / "model.safetensors"))
-    assert policy_ddp.keys() == policy_sharded.keys()
-    for name in policy_ddp:
-        torch.testing.assert_close(policy_sharded[name], policy_ddp[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_final_policy(ddp, sharded)
     metrics_ddp, metrics_sharded = read_metrics(ddp), read_metrics(sharded)
     assert [m["step"] for m in metrics_sharded] == [1, 2]
     for m_ddp, m_sharded in zip(metrics_ddp, metrics_sharded):
