@@ -2,14 +2,15 @@
 responses are identical to the default's.
 
 The policy and tokenizer of ppo_step.py (a ~5M-parameter Llama, 4,096-word vocabulary, random weights), a batch
-of prompts of 32-64 tokens, `--new-tokens` sampled tokens. Options: `sampling_noise` (row_generators: one torch
+of prompts of `--prompt-lengths` tokens (default 32-64), `--new-tokens` sampled tokens. Options: `sampling_noise` (row_generators: one torch
 generator per row; counter_hash: one batched hash for all rows) and `kv_cache` (dynamic; static; static_compiled,
 whose compilation happens in the untimed first call). The options
 run in alternating rounds (the machine's noise hits all of them alike); the median and min of the rounds are
-printed with each option's median over the default's. Exactness: each option's responses against those of the
+printed with each option's median over the first's (one generator per row, dynamic cache: generate_responses'
+defaults; PPO's default cache is static). Exactness: each option's responses against those of the
 same noise with the dynamic cache (counter_hash samples other, equally distributed, tokens than row_generators).
 
-    python benchmarks/generation.py [--batch 16] [--new-tokens 64] [--rounds 5] [--threads 1]
+    python benchmarks/generation.py [--batch 16] [--new-tokens 64] [--prompt-lengths 32 64] [--rounds 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-lengths", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
+                        help="prompt lengths in tokens, drawn uniformly (the paper's PPO shape: 32 256)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -42,7 +45,8 @@ def main() -> None:
     tokenizer = word_tokenizer()
     policy = llama(tokenizer, seed=0).to(device).eval()
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(32, 64))] for _ in range(args.batch)]
+    prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(*args.prompt_lengths))]
+               for _ in range(args.batch)]
     query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
     query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
     sampling = dict(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0,
@@ -65,8 +69,9 @@ def main() -> None:
         for option in OPTIONS:
             seconds[option].append(sample(*option)[0])
     where = "cuda" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"generation, batch {args.batch}, {args.new_tokens} new tokens, {where}, {args.rounds} alternating rounds")
-    print(f"{'sampling_noise':<16}{'kv_cache':<17}{'median s':>10}{'min s':>8}{'vs default':>12}  same tokens as")
+    print(f"generation, batch {args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, "
+          f"{args.new_tokens} new tokens, {where}, {args.rounds} alternating rounds")
+    print(f"{'sampling_noise':<16}{'kv_cache':<17}{'median s':>10}{'min s':>8}{'vs first':>12}  same tokens as")
     default = statistics.median(seconds[OPTIONS[0]])
     for noise, cache in OPTIONS:
         reference = (noise, "dynamic")

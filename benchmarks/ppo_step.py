@@ -48,7 +48,7 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 def llama(tokenizer, seed: int) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)

@@ -119,7 +119,7 @@ class PPOConfig(TrainingConfig):
         "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
                           "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
     kv_cache: Literal["dynamic", "static", "static_compiled"] = option(
-        "dynamic", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
+        "static", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
                    "the decode step compiled by torch.compile (static_compiled); the same samples")
 
     # Macro actions.
@@ -219,7 +219,7 @@ class PPOConfig(TrainingConfig):
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
         engine_class(self.rollout_engine)  # an unknown name stops here
-        hf_options = {"sampling_noise": "row_generators", "kv_cache": "dynamic"}
+        hf_options = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("sampling_noise", "kv_cache")}
         for name, default in hf_options.items():
             if getattr(self, name) != default and not issubclass(engine_class(self.rollout_engine), HFEngine):
                 raise ValueError(f"{name}={getattr(self, name)!r} is the hf engine's option; rollout_engine="
