@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
@@ -90,8 +92,10 @@ def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
     assert torch.equal(_sample(policy, query_ids, query_mask, None, sampling_noise=noise)[0], first[0])
 
 
-@pytest.mark.parametrize("noise, kv_cache", [("row_generators", "static"), ("counter_hash", "static"),
-                                             ("row_generators", "static_compiled")])
+@pytest.mark.parametrize("noise, kv_cache", [
+    ("row_generators", "static"), ("counter_hash", "static"),
+    pytest.param("row_generators", "static_compiled", marks=pytest.mark.skipif(
+        shutil.which("g++") is None, reason="torch.compile on a CPU needs a C++ compiler (g++)"))])
 def test_a_static_kv_cache_samples_the_same_tokens_and_logprobs(noise, kv_cache):
     policy = _eight_token_lm()
     query_ids, query_mask = _prompts()
