@@ -23,7 +23,9 @@ pieces with their common padding cut, takes the policy log-probs from a separate
 `--rollout-logprobs sampling`, and with one piece reuses the rollout's policy and critic forwards in the update.
 
 Measured: seconds per PPO step after `warmup` steps, median and min (the median resists other processes on a
-shared machine; both sides use the same number of torch threads). marlhf: its time/step_seconds metric; TRL:
+shared machine; both sides use the same number of torch threads; `--rounds N` runs both sides N times,
+alternating which goes first, and prints the median of the rounds' ratios, since a load change between the
+two halves of one round moves its ratio). marlhf: its time/step_seconds metric; TRL:
 wall time between on_step_end callbacks, which includes its own per-step metric gathering and gc.collect.
 Memory: the process's peak resident set size (getrusage ru_maxrss) and that peak minus the resident size just
 before training started, i.e. what training adds on top of the loaded models and libraries. The two sides run
@@ -339,6 +341,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of each side (1: stable figures on a shared machine)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run both sides this many times, alternating which goes first, and print the median of "
+                             "the rounds' throughput ratios (a load change on a shared machine then hits both sides)")
     parser.add_argument("--side", choices=("marlhf", "trl"), help=argparse.SUPPRESS)  # internal: one child run
     args = parser.parse_args()
     if args.batch is None:
@@ -357,7 +362,10 @@ def main() -> None:
         print(json.dumps((run_marlhf if args.side == "marlhf" else trl_side)(args), default=str))
         return
 
-    results = {side: child(side, args) for side in ("marlhf", "trl")}
+    rounds = []
+    for index in range(args.rounds):
+        order = ("marlhf", "trl") if index % 2 == 0 else ("trl", "marlhf")
+        rounds.append({side: child(side, args) for side in order})
     if args.trainer != "ppo":
         print(f"{args.trainer.upper()} step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, "
               f"policy + {'reference' if args.kl_coef else 'marlhf-only reference'}), {args.batch} prompts x "
@@ -371,20 +379,29 @@ def main() -> None:
               f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs="
               f"{args.rollout_logprobs}, {args.steps} steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores, "
               f"{args.threads} torch threads)")
-    for side, result in results.items():
-        seconds = result["step_seconds"]
-        result["steps_per_second"] = 1 / statistics.median(seconds)
-        result["train_mib"] = result["peak_rss_mib"] - result["rss_before_mib"]
-        print(f"  {side:7s} environment {json.dumps(result['environment'], sort_keys=True)}")
-        print(f"  {side:7s} {result['steps_per_second']:.3f} steps/s (median {statistics.median(seconds):.3f} s, min "
-              f"{min(seconds):.3f} s)  peak RSS {result['peak_rss_mib']:.0f} MiB, +{result['train_mib']:.0f} MiB "
-              f"during training  mean response {result['response_length']:.1f} tokens")
-    marlhf, trl = results["marlhf"], results["trl"]
-    print(f"  marlhf / TRL throughput: {marlhf['steps_per_second'] / trl['steps_per_second']:.2f}x (median), "
-          f"{min(trl['step_seconds']) / min(marlhf['step_seconds']):.2f}x (min); "
-          f"peak RSS ratio {marlhf['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
-          f"training-memory ratio {marlhf['train_mib'] / max(trl['train_mib'], 1e-9):.2f}")
-
+    ratios = []
+    for number, results in enumerate(rounds, start=1):
+        if args.rounds > 1:
+            print(f"  round {number} ({' then '.join(results)}):")
+        for side in ("marlhf", "trl"):
+            result = results[side]
+            seconds = result["step_seconds"]
+            result["steps_per_second"] = 1 / statistics.median(seconds)
+            result["train_mib"] = result["peak_rss_mib"] - result["rss_before_mib"]
+            if number == 1:
+                print(f"  {side:7s} environment {json.dumps(result['environment'], sort_keys=True)}")
+            print(f"  {side:7s} {result['steps_per_second']:.3f} steps/s (median {statistics.median(seconds):.3f} s, "
+                  f"min {min(seconds):.3f} s)  peak RSS {result['peak_rss_mib']:.0f} MiB, +{result['train_mib']:.0f} "
+                  f"MiB during training  mean response {result['response_length']:.1f} tokens")
+        marlhf, trl = results["marlhf"], results["trl"]
+        ratios.append(marlhf["steps_per_second"] / trl["steps_per_second"])
+        print(f"  marlhf / TRL throughput: {ratios[-1]:.2f}x (median), "
+              f"{min(trl['step_seconds']) / min(marlhf['step_seconds']):.2f}x (min); "
+              f"peak RSS ratio {marlhf['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
+              f"training-memory ratio {marlhf['train_mib'] / max(trl['train_mib'], 1e-9):.2f}")
+    if args.rounds > 1:
+        print(f"  median over {args.rounds} rounds of the throughput ratio: {statistics.median(ratios):.2f}x "
+              f"(rounds: {', '.join(f'{r:.2f}x' for r in ratios)})")
 
 if __name__ == "__main__":
     main()
