@@ -119,8 +119,9 @@ class PPOConfig(TrainingConfig):
         "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
                           "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
     kv_cache: Literal["dynamic", "static", "static_compiled"] = option(
-        "static", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
-                   "the decode step compiled by torch.compile (static_compiled); the same samples")
+        "dynamic", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
+                   "the decode step compiled by torch.compile (static_compiled); the same samples; static needs "
+                   "mixed_precision no")
 
     # Macro actions.
     termination: str = option(
@@ -219,6 +220,10 @@ class PPOConfig(TrainingConfig):
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
         get_termination(self.termination)  # an unknown name or a path that does not import stops here
         engine_class(self.rollout_engine)  # an unknown name stops here
+        if self.kv_cache != "dynamic" and self.mixed_precision != "no":
+            # transformers allocates a static cache in the model's dtype, and autocast hands it bf16/fp16 keys
+            raise ValueError(f"kv_cache={self.kv_cache!r} needs mixed_precision='no' (got {self.mixed_precision!r}): "
+                             "the static cache is allocated in the weights' dtype; use kv_cache='dynamic'")
         hf_options = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("sampling_noise", "kv_cache")}
         for name, default in hf_options.items():
             if getattr(self, name) != default and not issubclass(engine_class(self.rollout_engine), HFEngine):

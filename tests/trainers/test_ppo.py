@@ -239,6 +239,8 @@ def test_raw_logits_convention_scores_at_temperature_one(tmp_path, make_tiny_cau
 def test_config_validation():
     with pytest.raises(ValueError, match="num_samples_per_prompt"):
         PPOConfig(advantage="rloo")
+    with pytest.raises(ValueError, match="kv_cache='static' needs mixed_precision='no'"):
+        PPOConfig(kv_cache="static", mixed_precision="bf16")
     with pytest.raises(ValueError, match="mini_batch_size"):
         PPOConfig(per_device_batch_size=4, mini_batch_size=3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
