@@ -90,28 +90,40 @@ def counter_uniforms(row_seeds: torch.Tensor, position: int, vocab_size: int) ->
     computation for all rows, the same value for a row in any batch, on any process or device. 24-bit
     resolution (like torch.rand's float32), centred in its cell so that neither 0 nor 1 occurs.
     row_seeds: `[B]` int32 (a seed in [0, 2^32) read as uint32)."""
-    row_keys = mix32(mix32(row_seeds.clone()) + (position + 1) * _GOLDEN32)
-    tokens = torch.arange(vocab_size, device=row_seeds.device, dtype=torch.int32)
-    bits = mix32(mix32(row_keys[:, None] ^ mix32(tokens * _GOLDEN32)[None, :]))
+    return _keyed_uniforms(mix32(row_seeds.clone()), _token_keys(vocab_size, row_seeds.device), position)
+
+
+def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    return mix32(torch.arange(vocab_size, device=device, dtype=torch.int32) * _GOLDEN32)
+
+
+def _keyed_uniforms(seed_keys: torch.Tensor, token_keys: torch.Tensor, position: int) -> torch.Tensor:
+    """counter_uniforms from the hashed seeds `[B]` and token ids `[V]`, which do not change between positions."""
+    row_keys = mix32(seed_keys + (position + 1) * _GOLDEN32)
+    bits = mix32(mix32(row_keys[:, None] ^ token_keys[None, :]))
     return (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24
 
 
 class CounterGumbelNoise(LogitsProcessor):
     """Adds Gumbel noise from `counter_uniforms` of the rows' seeds at the current step (the Gumbel-max trick,
-    as RowGumbelNoise), for all rows in one computation per token instead of one draw per row."""
+    as RowGumbelNoise), for all rows in one computation per token instead of one draw per row. The hashes of
+    the seeds and of the token ids are computed once, not at every token."""
 
     def __init__(self, row_seeds: Sequence[int], device: torch.device) -> None:
         seeds = [int(seed) for seed in row_seeds]
         if any(not 0 <= seed < 2**32 for seed in seeds):
             raise ValueError("counter_hash sampling needs row seeds in [0, 2^32)")
-        self.row_seeds = torch.tensor([seed - 2**32 if seed >= 2**31 else seed for seed in seeds],
-                                      dtype=torch.int32, device=device)
+        self.seed_keys = mix32(torch.tensor([seed - 2**32 if seed >= 2**31 else seed for seed in seeds],
+                                            dtype=torch.int32, device=device))
+        self.token_keys: torch.Tensor | None = None
         self.position = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if scores.shape[0] != self.row_seeds.shape[0]:
-            raise ValueError(f"{scores.shape[0]} rows but {self.row_seeds.shape[0]} row seeds")
-        uniform = counter_uniforms(self.row_seeds, self.position, scores.shape[1])
+        if scores.shape[0] != self.seed_keys.shape[0]:
+            raise ValueError(f"{scores.shape[0]} rows but {self.seed_keys.shape[0]} row seeds")
+        if self.token_keys is None or self.token_keys.shape[0] != scores.shape[1]:
+            self.token_keys = _token_keys(scores.shape[1], scores.device)
+        uniform = _keyed_uniforms(self.seed_keys, self.token_keys, self.position)
         self.position += 1
         return scores - torch.log(-torch.log(uniform))
 

@@ -142,6 +142,11 @@ def test_mix32_is_lowbias32_and_the_uniforms_are_a_function_of_seed_position_tok
     assert torch.equal(counter_uniforms(seeds[[2, 0]], 3, 50), u[[2, 0]])  # per row, whatever the batch
     assert torch.equal(counter_uniforms(seeds, 3, 20), u[:, :20])  # per token
     assert not torch.equal(counter_uniforms(seeds, 4, 50), u)  # per position
+    noise = CounterGumbelNoise([7, 8, 2**31 - 5], torch.device("cpu"))  # caches the seed and token hashes
+    scores = torch.randn(3, 50)
+    for position in range(3):
+        expected = scores - torch.log(-torch.log(counter_uniforms(seeds, position, 50)))
+        assert torch.equal(noise(None, scores.clone()), expected)
     many = counter_uniforms(torch.arange(400, dtype=torch.int32), 0, 500).double()
     assert abs(many.mean().item() - 0.5) < 4 * (1 / 12 / many.numel()) ** 0.5
     assert abs(((many[:, 1:] - 0.5) * (many[:, :-1] - 0.5)).mean().item() * 12) < 4 / many.numel() ** 0.5
