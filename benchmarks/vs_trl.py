@@ -7,7 +7,8 @@ trainer, 0.26.0 is the last with one, under trl.experimental.ppo, and it needs t
     python3 -m venv .venv-trl
     .venv-trl/bin/pip install torch==2.13.0 trl==0.26.0 transformers==4.57.6
     .venv/bin/python benchmarks/vs_trl.py [--batch 16] [--pieces 1] [--prompt-lengths 32 64] [--new-tokens 64]
-                                          [--rollout-logprobs recompute] [--steps 6] [--warmup 2] [--threads N]
+                                          [--rollout-logprobs recompute] [--kv-cache dynamic] [--steps 6] [--warmup 2]
+                                          [--threads N]
     # the paper's PPO shape (32 rows a device, 8 accumulation pieces of 4) with prompts of ragged length:
     .venv/bin/python benchmarks/vs_trl.py --batch 32 --pieces 8 --prompt-lengths 32 256 --steps 4
 
@@ -51,9 +52,8 @@ vLLM, no logging, evaluation, saving or completion printing. Pinned per algorith
         (marlhf ngram=1), loss averaged over all tokens of the update (TRL loss_type="dapo", marlhf token-mean).
   rloo: leave-one-out baseline, no advantage normalisation, one sequence-level ratio (marlhf ngram=None), loss
         averaged over sequences (marlhf loss_agg_mode="seq-mean-token-mean"), KL summed into the reward (k1) on both.
-Both keep a reference with KL coefficient `kl_coef` (TRL beta): marlhf always scores the reference, even at
-kl_coef 0, while TRL's beta=0 drops it, so a reference on both sides is the like-for-like setting (`--kl-coef 0`
-gives TRL's default, with one reference forward a step more on marlhf's side).
+Both keep a reference with KL coefficient `kl_coef` (TRL beta); at `--kl-coef 0` (TRL's default) both drop it
+(marlhf's fixed n-grams do not read it), and each side prints whether it kept one.
 Remaining differences: GRPO's KL is k1 in the reward in marlhf but TRL's k3 term in the loss (the same reference
 forward either way); TRL's RLOO always runs a no-grad policy forward for the old log-probs, which marlhf with one
 piece takes from the update's own forward (with more pieces marlhf recomputes them too); both sample with
@@ -180,17 +180,17 @@ def run_marlhf(args) -> dict:
                            temperature=TEMPERATURE, top_k=0, top_p=1.0, gamma=1.0, lam=0.95,
                            ppo_epochs=1, save_steps=0, learning_rate=LEARNING_RATE, critic_learning_rate=1e-5,
                            warmup_ratio=0.0, lr_scheduler="linear", seed=0, rollout_logprobs=args.rollout_logprobs,
-                           **options)
+                           kv_cache=args.kv_cache, **options)
         rss_before = rss_mib()
         train_ppo(config, prompts, policy=policy, tokenizer=tokenizer, **scorer)
         metrics = read_metrics(output_dir)
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
             "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
-            "environment": environment(policy) if args.trainer == "ppo" else {
+            "environment": {**environment(policy), "kv_cache": config.kv_cache} if args.trainer == "ppo" else {
                 **environment(policy), "mixed_precision": config.mixed_precision,
-                "gradient_checkpointing": config.gradient_checkpointing,
-                "options": {**options, "rollout_logprobs": config.rollout_logprobs,
+                "gradient_checkpointing": config.gradient_checkpointing, "reference": config.uses_reference,
+                "options": {**options, "rollout_logprobs": config.rollout_logprobs, "kv_cache": config.kv_cache,
                             "gradient_accumulation_steps": config.gradient_accumulation_steps,
                             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}}}
 
@@ -314,7 +314,7 @@ def child(side: str, args) -> dict:
                "--new-tokens",
                str(args.new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
                str(args.threads), "--trainer", args.trainer, "--generations", str(args.generations),
-               "--kl-coef", str(args.kl_coef)]
+               "--kl-coef", str(args.kl_coef), "--kv-cache", args.kv_cache]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRL_EXPERIMENTAL_SILENCE": "1", "TQDM_DISABLE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     if result.returncode != 0:
@@ -329,13 +329,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="prompts per step (default: 16 for ppo, 8 for grpo/rloo)")
     parser.add_argument("--generations", type=int, default=4, help="grpo/rloo: samples per prompt")
     parser.add_argument("--kl-coef", type=float, default=KL_COEF,
-                        help="grpo/rloo: KL coefficient of both sides (TRL beta), with a reference on both")
+                        help="grpo/rloo: KL coefficient of both sides (TRL beta); 0 drops the reference on both")
     parser.add_argument("--pieces", type=int, default=1,
                         help="gradient-accumulation pieces the update splits each step's rows into")
     parser.add_argument("--prompt-lengths", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
                         help="prompt lengths in tokens, drawn uniformly")
     parser.add_argument("--rollout-logprobs", choices=("recompute", "sampling"), default="recompute",
                         help="marlhf's rollout_logprobs (TRL always keeps those of its sampling pass)")
+    parser.add_argument("--kv-cache", choices=("dynamic", "static", "static_compiled"), default="dynamic",
+                        help="marlhf's kv_cache (TRL generates with transformers' dynamic cache)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6, help="measured steps after warm-up")
     parser.add_argument("--warmup", type=int, default=2)
@@ -368,7 +370,7 @@ def main() -> None:
         rounds.append({side: child(side, args) for side in order})
     if args.trainer != "ppo":
         print(f"{args.trainer.upper()} step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, "
-              f"policy + {'reference' if args.kl_coef else 'marlhf-only reference'}), {args.batch} prompts x "
+              f"policy{' + reference' if args.kl_coef else ', no reference'}), {args.batch} prompts x "
               f"{args.generations} samples, prompts "
               f"{args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, up to {args.new_tokens} new tokens, Python "
               f"reward, KL {args.kl_coef}, 1 update in {args.pieces} piece(s), {args.steps} steps after "

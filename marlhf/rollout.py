@@ -40,7 +40,7 @@ class Rollout:
     response_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
     response_mask: torch.Tensor  # [B, T] bool, True on response tokens (EOS included)
     logprobs: torch.Tensor  # [B, T] policy log-probs of the sampled tokens
-    ref_logprobs: torch.Tensor  # [B, T] frozen reference log-probs of the same tokens
+    ref_logprobs: torch.Tensor | None  # [B, T] frozen reference log-probs of the same tokens; None without one
     values: torch.Tensor | None  # [B, T] critic values before each token; None without a critic
     scores: torch.Tensor  # [B] reward of each full response (reward model or reward function)
     query_lengths: list[int]  # prompt tokens of each row, on the host (row_lengths)
@@ -340,7 +340,7 @@ def score_responses(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    ref: nn.Module,
+    ref: nn.Module | None,
     temperature: float,
     policy: nn.Module | None = None,
     logprobs: torch.Tensor | None = None,
@@ -354,7 +354,7 @@ def score_responses(
     reward_kwargs: dict[str, list] | None = None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
-    reference log-probs, critic values (when there is a critic) and one score per response, from
+    reference log-probs (none without a reference: `ref` None), critic values (when there is a critic) and one score per response, from
     `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`.
 
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
@@ -384,7 +384,7 @@ def score_responses(
 
     if policy is not None:
         logprobs = run(lambda *rows: response_logprobs(policy, *rows, temperature=temperature))
-    ref_logprobs = run(lambda *rows: response_logprobs(ref, *rows, temperature=temperature))
+    ref_logprobs = run(lambda *rows: response_logprobs(ref, *rows, temperature=temperature)) if ref is not None else None
     if critic is not None:
         values = run(lambda *rows: response_values(critic, *rows))
     logprobs, values = logprobs.detach(), values.detach() if values is not None else None

@@ -6,6 +6,8 @@ PPO logs as ``macro/<name>``. The built-in rules are registered under their name
 perplexity, parsing, word); a new one is one decorated function (the README shows one that ends a macro
 action at every sentence end), used as ``PPOConfig(termination="<name>")`` after the import, or, without
 registering, by its dotted path on the command line: ``--termination my_pkg.rules:sentences``.
+A rule may read the reference's log-probs (``perplexity`` does); one registered with
+``reads_reference=False`` lets PPO drop the reference model when its KL coefficient is 0.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from marlhf.imports import import_function
 from marlhf.segments import fixed_ngram, parsing, perplexity, randomized_ngram, word_starts, words
 
-__all__ = ["SegmentationBatch", "TERMINATION_RULES", "register_termination", "get_termination", "segment"]
+__all__ = ["SegmentationBatch", "TERMINATION_RULES", "register_termination", "get_termination", "reads_reference",
+           "segment"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +30,8 @@ class SegmentationBatch:
     """What a rule may look at. Rows are this process's responses, right-padded.
 
     response_ids: long [B, T]; response_mask: bool [B, T]; ref_logprobs: float [B, T] (the frozen
-    reference's log-probs of the sampled tokens); tokenizer: the policy's; options: the PPO config (the
+    reference's log-probs of the sampled tokens; None for a rule registered with ``reads_reference=False``
+    when PPO runs without a reference); tokenizer: the policy's; options: the PPO config (the
     rules' own options: ngram, randomized_lengths, ...); seed: a per-step seed for random rules;
     gather_rows / own_rows: stack the rows of every process / take this process's rows back, for rules that
     must draw for all processes' rows at once (identity functions in a single process).
@@ -35,7 +39,7 @@ class SegmentationBatch:
 
     response_ids: torch.Tensor
     response_mask: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
     tokenizer: Any
     options: Any
     seed: int
@@ -45,10 +49,12 @@ class SegmentationBatch:
 
 Rule = Callable[[SegmentationBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"]
 TERMINATION_RULES: dict[str, Rule] = {}
+_REFERENCE_FREE: set[str] = set()  # registered rules that never read batch.ref_logprobs
 
 
-def register_termination(name: str) -> Callable[[Rule], Rule]:
-    """Decorator: register `rule` under `name` (an error if the name is taken)."""
+def register_termination(name: str, *, reads_reference: bool = True) -> Callable[[Rule], Rule]:
+    """Decorator: register `rule` under `name` (an error if the name is taken). `reads_reference=False`
+    declares that the rule never reads `batch.ref_logprobs`."""
     if not name or ":" in name:
         raise ValueError(f"a termination rule's name must be non-empty and without ':', got {name!r}")
 
@@ -56,6 +62,10 @@ def register_termination(name: str) -> Callable[[Rule], Rule]:
         if name in TERMINATION_RULES and TERMINATION_RULES[name] is not rule:
             raise ValueError(f"a termination rule named {name!r} is already registered")
         TERMINATION_RULES[name] = rule
+        if reads_reference:
+            _REFERENCE_FREE.discard(name)
+        else:
+            _REFERENCE_FREE.add(name)
         return rule
 
     return decorate
@@ -71,6 +81,13 @@ def get_termination(spec: str) -> Rule:
     return import_function(spec, "termination")
 
 
+def reads_reference(spec: str) -> bool:
+    """Whether the rule named by `spec` may read the reference's log-probs: True unless it was registered
+    with ``reads_reference=False`` (a dotted-path rule may read them)."""
+    get_termination(spec)  # an unknown rule is an error here too
+    return not (spec in TERMINATION_RULES and spec in _REFERENCE_FREE)
+
+
 def segment(spec: str, batch: SegmentationBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Run the rule named by `spec`: (segment_ids, stats)."""
     out = get_termination(spec)(batch)
@@ -81,12 +98,12 @@ def segment(spec: str, batch: SegmentationBatch) -> tuple[torch.Tensor, dict[str
     return segment_ids, stats
 
 
-@register_termination("fixed")
+@register_termination("fixed", reads_reference=False)
 def _fixed(batch: SegmentationBatch) -> torch.Tensor:
     return fixed_ngram(batch.response_mask, batch.options.ngram)
 
 
-@register_termination("randomized")
+@register_termination("randomized", reads_reference=False)
 def _randomized(batch: SegmentationBatch) -> torch.Tensor:
     # Drawn for the rows of all processes from the step's seed: a row's lengths do not depend on the
     # number of processes.
@@ -101,13 +118,13 @@ def _perplexity(batch: SegmentationBatch) -> torch.Tensor:
     return perplexity(batch.response_mask, batch.ref_logprobs)
 
 
-@register_termination("parsing")
+@register_termination("parsing", reads_reference=False)
 def _parsing(batch: SegmentationBatch) -> tuple[torch.Tensor, dict[str, float]]:
     segment_ids, fallbacks = parsing(batch.response_ids, batch.response_mask, batch.tokenizer,
                                      batch.options.parsing_cutoff, batch.options.parsing_language)
     return segment_ids, {"parse_fallbacks": fallbacks}
 
 
-@register_termination("word")
+@register_termination("word", reads_reference=False)
 def _word(batch: SegmentationBatch) -> torch.Tensor:
     return words(batch.response_mask, word_starts(batch.response_ids, batch.tokenizer))

@@ -274,6 +274,11 @@ def test_given_logprobs_and_values_replace_those_forwards():
     assert not given.logprobs.requires_grad and not given.values.requires_grad
     for field in ("logprobs", "ref_logprobs", "values", "scores"):
         torch.testing.assert_close(getattr(given, field), getattr(computed, field))
+    without_reference = score_responses(*batch, policy=policy, ref=None, temperature=0.9, critic=critic,
+                                        reward_model=critic)
+    assert without_reference.ref_logprobs is None
+    for field in ("logprobs", "values", "scores"):
+        assert torch.equal(getattr(without_reference, field), getattr(computed, field))
     with pytest.raises(ValueError, match="`policy` and `logprobs`"):
         score_responses(*batch, policy=policy, logprobs=logprobs, ref=other, temperature=0.9, reward_model=critic)
     with pytest.raises(ValueError, match="`critic` and `values`"):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from marlhf.segments import fixed_ngram
-from marlhf.termination import TERMINATION_RULES, SegmentationBatch, get_termination, register_termination, segment
+from marlhf.termination import (TERMINATION_RULES, SegmentationBatch, get_termination, reads_reference,
+                                register_termination, segment)
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.test_ppo import RECORDS, _config, count_e
 
@@ -40,6 +41,22 @@ def test_builtin_rules_are_registered_and_unknown_names_are_refused():
         register_termination("fixed")(pairs)
     with pytest.raises(ValueError, match="name"):
         register_termination("a:b")
+
+
+def test_which_rules_read_the_reference():
+    assert [name for name in ("fixed", "randomized", "perplexity", "parsing", "word") if reads_reference(name)] == [
+        "perplexity"]
+    assert reads_reference("tests.test_termination:pairs")  # a dotted path may read it
+    register_termination("free_pairs", reads_reference=False)(pairs)
+    try:
+        assert not reads_reference("free_pairs")
+        TERMINATION_RULES.pop("free_pairs")
+        register_termination("free_pairs")(pairs)  # the name registered again, as a reader this time
+        assert reads_reference("free_pairs")
+    finally:
+        TERMINATION_RULES.pop("free_pairs")
+    with pytest.raises(ValueError, match="one of"):
+        reads_reference("fixd")
 
 
 def test_builtins_through_the_interface(tiny_tokenizer):

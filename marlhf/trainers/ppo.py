@@ -2,7 +2,8 @@
 
     policy = train_ppo(PPOConfig(model_name_or_path=SFT_DIR, reward_model_name_or_path=RM_DIR), records)
 
-Models: the policy and a frozen reference both start from the SFT model; the critic starts from the
+Models: the policy and a frozen reference both start from the SFT model (no reference when nothing reads
+it: `kl_coef=0` and a reference-free termination rule); the critic starts from the
 reward model (a ScalarHeadModel); the reward model is frozen. A reward function
 `reward_fn(prompts, responses) -> scores` (a gold reward, unit tests), or a list of them, or `reward_fns` by
 dotted path in TRL's convention `fn(prompts, completions, **record_fields)` (marlhf.rewards.functions), can
@@ -67,7 +68,7 @@ from marlhf.rewards.functions import RewardFunctions, takes_record_fields
 from marlhf.rollout import (RewardFn, Rollout, length_sorted_chunks, response_logprobs, response_values,
                             score_responses, trim_padding)
 from marlhf.segments import num_segments, split_last_token
-from marlhf.termination import SegmentationBatch, get_termination, segment
+from marlhf.termination import SegmentationBatch, get_termination, reads_reference, segment
 from marlhf.trainers.common import (BatchPlan, FiniteUpdates, accumulation_context, backward, configure_deepspeed,
                                     make_accelerator, make_optimizer, make_scheduler, maybe_save_checkpoint,
                                     optimizer_step, records_from_config, save_final_model, start_run)
@@ -152,7 +153,9 @@ class PPOConfig(TrainingConfig):
                "estimator registered with marlhf.estimators.register_estimator")
     num_samples_per_prompt: int = option(1, "responses sampled per prompt (rloo and grpo need >= 2)", ge=1)
     grpo_normalize_std: bool = option(True, "grpo: divide by the group's standard deviation")
-    kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token)", ge=0)
+    kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token); 0 with a termination "
+                                   "rule that does not read the reference drops the reference model (no "
+                                   "forward, no copy; objective/kl is then not logged)", ge=0)
     rm_score_clip: float | None = option(
         None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
     gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
@@ -258,6 +261,13 @@ class PPOConfig(TrainingConfig):
     @property
     def uses_critic(self) -> bool:
         return get_estimator(self.advantage).needs_critic
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether anything reads the frozen reference: the KL penalty, or a termination rule that reads its
+        log-probs (perplexity, or any rule not registered as reference-free). Without one, PPO neither keeps
+        nor runs it (TRL's GRPO does the same at beta 0)."""
+        return self.kl_coef > 0 or reads_reference(self.termination)
 
     @property
     def reuses_rollout_forward(self) -> bool:
@@ -529,15 +539,22 @@ def _check_update_inputs(rollout: Rollout, segment_ids: torch.Tensor, advantages
             check_like(x, mask, name)
 
 
+def per_token_rewards(config: PPOConfig, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor:
+    """Stage 2: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0)."""
+    ref_logprobs = rollout.ref_logprobs if rollout.ref_logprobs is not None else rollout.logprobs
+    return kl_penalized_rewards(scores, rollout.logprobs, ref_logprobs, rollout.response_mask, config.kl_coef)
+
+
 def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segmentation_stats: dict[str, float],
                  advantages: torch.Tensor, returns: torch.Tensor | None, update_stats: dict[str, list[torch.Tensor]],
                  clock: dict[str, float]) -> dict[str, float]:
     """Stage 6: the step's metrics, reduced over processes (the one place a step reads values to the host)."""
     mask = rollout.response_mask
-    # KL and entropy: sample estimates summed over each response's tokens, averaged over responses.
-    kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1).mean()
-    metrics = {
-        "objective/kl": kl,
+    # KL (with a reference) and entropy: sample estimates summed over each response's tokens, averaged over
+    # responses.
+    metrics = {} if rollout.ref_logprobs is None else {
+        "objective/kl": torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1).mean()}
+    metrics |= {
         "objective/entropy": torch.where(mask, -rollout.logprobs, 0.0).sum(1).mean(),
         "objective/rm_score": rollout.scores.mean(),
         "objective/response_length": mask.sum(1).float().mean(),
@@ -562,8 +579,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
               reward_fn: RewardFn | list[RewardFn] | None = None):
     """Train the policy with (MA-)PPO on `prompts` ({"prompt": ...} records; default: config.dataset) and
-    return it unwrapped. Models not passed in are loaded from the config's paths; `reward_fn` replaces the
-    reward model as the source of scores. Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
+    return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
+    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores. Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
     accelerator = make_accelerator(config)
     device = accelerator.device
     records = prompts if prompts is not None else records_from_config(config, "rl")
@@ -603,9 +620,10 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     if config.use_lora:
         policy = apply_lora(policy, config)
         critic = apply_lora(critic, config) if critic is not None else None
-        ref = ref if ref is not None else AdaptersDisabled(policy)
+    if not config.uses_reference:
+        ref = None  # nothing reads it: kl_coef is 0 and the termination rule is reference-free
     elif ref is None:
-        ref = copy.deepcopy(policy)
+        ref = AdaptersDisabled(policy) if config.use_lora else copy.deepcopy(policy)
     if isinstance(ref, torch.nn.Module):
         ref = _frozen(ref, device)
     policy = _disable_dropout(policy)
@@ -649,7 +667,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         scores = rollout.scores
         if config.rm_score_clip is not None:
             scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
-        rewards = kl_penalized_rewards(scores, rollout.logprobs, rollout.ref_logprobs, mask, config.kl_coef)  # 2.
+        rewards = per_token_rewards(config, rollout, scores)  # 2.
         segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)  # 3.
         advantages, returns = estimate_advantages(run, rollout, rewards, segment_ids)  # 4.
         update_stats = ppo_update(run, rollout, segment_ids, advantages, returns, kept)  # 5.
@@ -660,7 +678,10 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
             metrics = step_metrics(run, rollout, segment_ids, segmentation_stats, advantages, returns, update_stats,
                                    clock)
             logger.log(metrics, done)
-            progress.set_postfix(reward=f"{metrics['objective/rm_score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+            postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
+            if "objective/kl" in metrics:
+                postfix["kl"] = f"{metrics['objective/kl']:.3f}"
+            progress.set_postfix(**postfix)
         maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()

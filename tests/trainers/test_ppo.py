@@ -48,14 +48,42 @@ def test_reward_rises(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
     assert [m["step"] for m in metrics] == list(range(1, 9))
     scores = [m["objective/rm_score"] for m in metrics]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.5, scores
-    expected = {"objective/kl", "objective/entropy", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
+    expected = {"objective/entropy", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
                 "val/advantage_l2", "val/return_l2", "time/step_seconds", "macro/mean_segment_length", "loss/policy",
                 "loss/value", "time/generation", "time/scoring", "time/update", "objective/repetition"}
     assert expected <= set(metrics[0])
-    assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
-    assert metrics[-1]["objective/kl"] != 0.0
+    assert "objective/kl" not in metrics[0]  # kl_coef 0 and fixed n-grams: no reference (the next test)
     assert metrics[0]["macro/mean_segment_length"] == pytest.approx(8 / 2)  # 8 tokens -> segments of 5 and 3
     assert (tmp_path / "ppo" / "model.safetensors").exists()
+
+
+def test_without_a_reader_the_reference_is_dropped_and_nothing_else_changes(tmp_path, make_tiny_causal_lm,
+                                                                            tiny_tokenizer, monkeypatch):
+    """kl_coef 0 with a reference-free rule: no reference is scored (nor copied), no objective/kl is logged, and
+    every other metric equals the run that keeps the reference for a rule that may read it."""
+    from marlhf.termination import TERMINATION_RULES, register_termination
+
+    references = []
+    real_score = ppo.score_responses
+    monkeypatch.setattr(ppo, "score_responses",
+                        lambda *a, ref, **k: references.append(ref) or real_score(*a, ref=ref, **k))
+    register_termination("fixed_reading_reference")(TERMINATION_RULES["fixed"])
+    try:
+        runs = {}
+        for termination in ("fixed", "fixed_reading_reference"):
+            config = _config(tmp_path, output_dir=str(tmp_path / termination), termination=termination, kl_coef=0.0,
+                             ngram=3, max_steps=2, mini_batch_size=2)
+            assert config.uses_reference == (termination != "fixed")
+            train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+            runs[termination] = _metrics_without_timings(tmp_path / termination)
+    finally:
+        TERMINATION_RULES.pop("fixed_reading_reference")
+    assert references[:2] == [None, None] and all(ref is not None for ref in references[2:])
+    kept = runs["fixed_reading_reference"]
+    assert all(m.pop("objective/kl") is not None for m in kept)
+    assert runs["fixed"] == kept
+    assert _config(tmp_path, kl_coef=0.0, termination="perplexity").uses_reference
+    assert _config(tmp_path, kl_coef=0.01).uses_reference
 
 
 def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_tokenizer, monkeypatch):
