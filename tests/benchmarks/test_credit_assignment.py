@@ -96,3 +96,29 @@ def test_summary_figures_of_merit_on_made_up_curves(tmp_path):
     # matched KL = n1's final KL: n5 reaches it at half the steps, where its gold is the same
     # as n1's there (gold rises at the same rate per unit of KL in both)
     assert n5["gold_at_matched_kl"] == pytest.approx(ppo["gold_at_matched_kl"], abs=0.05)
+
+
+def test_no_target_when_ppos_gain_is_within_seed_noise(tmp_path):
+    """Token-level PPO up on one seed and down on the other: its gain's interval reaches 0, so steps to 80 % are
+    undefined for every cell of the group (not read off the start of the curves), and the table says so."""
+    steps = 20
+    for seed, direction in ((0, 1.0), (1, -1.0)):
+        for cell in ("n1", "n5"):
+            path = credit_assignment.result_path(tmp_path, "task2", "gold_sft", cell, seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            gold = [direction * 0.1 * s / steps for s in range(steps)]
+            curves = {key: [0.0] * steps for key in ("policy/clipfrac", "macro/mean_segment_length")}
+            curves.update({"gold_reward": gold, "objective/kl": [0.1 * s for s in range(steps)]})
+            path.write_text(json.dumps({"task": "task2", "setup": "gold_sft", "cell": cell, "seed": seed,
+                                        "sft_sha256": "a", "reward_sha256": "b", "steps": list(range(1, steps + 1)),
+                                        "curves": curves, "held_out": {"gold_reward": 0.0, "kl": 1.9},
+                                        "run_seconds": 1.0}))
+    cells = {("task2", "gold_sft", "n1"): (0, 1), ("task2", "gold_sft", "n5"): (0, 1)}
+    summary = credit_assignment.summarize(tmp_path, cells)
+    group = summary["groups"]["task2/gold_sft"]
+    low, high = group["ppo_gain_ci"]
+    assert low < 0 < high and not group["target_defined"] and group["target_gold_80"] == math.inf
+    assert all(math.isnan(entry["steps_to_80"]) for entry in summary["cells"].values())
+    credit_assignment.write_summary(summary, tmp_path, {"run_seconds_total": 4.0, "runs": 4})
+    table = (tmp_path / "summary.md").read_text()
+    assert "no 80 % target" in table and "| n5 | 2 | undefined |" in table
