@@ -7,15 +7,20 @@ generator per row; counter_hash: one batched hash for all rows) and `kv_cache` (
 whose compilation happens in the untimed first call). The options
 run in alternating rounds (the machine's noise hits all of them alike); the median and min of the rounds are
 printed with each option's median over the first's (one generator per row, dynamic cache: generate_responses'
-defaults; PPO's default cache is static). Exactness: each option's responses against those of the
+defaults, and PPO's). Exactness: each option's responses against those of the
 same noise with the dynamic cache (counter_hash samples other, equally distributed, tokens than row_generators).
+`--profile`: where one default generate call spends its time: the model's forward calls against the rest of
+`generate` (its Python loop, logits processors, stop checks), and the heaviest torch operators.
 
     python benchmarks/generation.py [--batch 16] [--new-tokens 64] [--prompt-lengths 32 64] [--rounds 5] [--threads 1]
+                                    [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -38,6 +43,7 @@ def main() -> None:
                         help="prompt lengths in tokens, drawn uniformly (the paper's PPO shape: 32 256)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--profile", action="store_true", help="also profile one default generate call")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -79,6 +85,42 @@ def main() -> None:
         median = statistics.median(seconds[noise, cache])
         print(f"{noise:<16}{cache:<17}{median:>10.3f}{min(seconds[noise, cache]):>8.3f}{median / default:>11.2f}x"
               f"  {noise}+dynamic: {'yes' if same else 'NO'}")
+    if args.profile:
+        profile(policy, lambda: sample(*OPTIONS[0]))
+
+
+def profile(policy: torch.nn.Module, generate) -> None:
+    """Share of the model's forward calls in one generate call (timed around `policy.forward`), then the
+    functions and torch operators with the most self time under cProfile."""
+    forward_seconds = [0.0]
+    forward = policy.forward
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            forward_seconds[0] += time.perf_counter() - start
+
+    policy.forward = timed_forward
+    try:
+        total = generate()[0]
+    finally:
+        del policy.forward  # back to the class's method
+    print(f"profile of one {OPTIONS[0][0]}+{OPTIONS[0][1]} call: {total:.3f} s, model forward {forward_seconds[0]:.3f} s "
+          f"({forward_seconds[0] / total:.0%}), the rest of generate {total - forward_seconds[0]:.3f} s "
+          f"({1 - forward_seconds[0] / total:.0%})")
+    profiler = cProfile.Profile()  # torch.profiler's own overhead inflates the cache's many small copies
+    profiler.enable()
+    generate()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, calls, self time, cumulative, callers)
+    rows = sorted(((self_time, calls, name) for (_, _, name), (calls, _, self_time, _, _) in stats.items()),
+                  reverse=True)
+    everything = sum(row[0] for row in rows)
+    print("heaviest functions by self time (share of the call):")
+    for self_time, calls, name in rows[:6]:
+        print(f"  {name:<48}{self_time:>8.3f} s {self_time / everything:>6.0%}  {calls} calls")
 
 
 if __name__ == "__main__":
