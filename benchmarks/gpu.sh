@@ -4,7 +4,8 @@
 # macro actions of n=5 (the paper's default rule). Prints the GPU name, the parameter count, steps/s,
 # sampled tokens/s and peak GPU memory, from the time/* metrics of train_ppo after warm-up steps. Then, in the
 # same run, ppo_step.py's phases against the float32 GEMM peak (model-FLOPs utilisation) and generation.py's
-# sampling options (sampling_noise x kv_cache) side by side. (vs_trl.py runs on CPU only: not part of it.)
+# sampling options (sampling_noise x kv_cache) side by side, and vs_trl.py's comparisons with TRL (PPO against
+# TRL 0.26, GRPO and RLOO against TRL 1.16, on the GPU) for each TRL venv that exists (.venv-trl, .venv-trl116).
 #
 #   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
 #   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
@@ -91,3 +92,20 @@ echo; echo "== PPO step phases against the float32 GEMM peak (benchmarks/ppo_ste
 TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/ppo_step.py "${STEP_ARGS[@]}"
 echo; echo "== sampling options side by side (benchmarks/generation.py)"
 TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/generation.py "${GEN_ARGS[@]}"
+if [[ $TINY == 1 ]]; then
+  PPO_ARGS=(--batch 2 --new-tokens 8 --steps 1 --warmup 0)
+  GROUP_ARGS=(--batch 2 --generations 2 --new-tokens 8 --steps 1 --warmup 0)
+else  # the paper's shape: 32 rows in 8 accumulation pieces, prompts of 32-256 tokens
+  PPO_ARGS=(--batch 32 --pieces 8 --prompt-lengths 32 256 --new-tokens "${NEW_TOKENS:-128}" --steps 4 --rounds 2)
+  GROUP_ARGS=(--batch 8 --generations 4 --pieces 8 --prompt-lengths 32 256 --new-tokens "${NEW_TOKENS:-128}" --steps 4
+              --rounds 2)
+fi
+for trainer in ppo grpo rloo; do
+  echo; echo "== marlhf against TRL, $trainer (benchmarks/vs_trl.py)"
+  if [[ $trainer == ppo ]]; then venv=.venv-trl; ARGS=("${PPO_ARGS[@]}"); else venv=.venv-trl116; ARGS=(--trainer "$trainer" "${GROUP_ARGS[@]}"); fi
+  if [[ -x $venv/bin/python ]]; then
+    "$PYTHON" benchmarks/vs_trl.py "${ARGS[@]}"
+  else
+    echo "skipped: no $venv (make it as benchmarks/vs_trl.py's docstring says)"
+  fi
+done

@@ -31,6 +31,10 @@ wall time between on_step_end callbacks, which includes its own per-step metric 
 Memory: the process's peak resident set size (getrusage ru_maxrss) and that peak minus the resident size just
 before training started, i.e. what training adds on top of the loaded models and libraries. The two sides run
 different transformers releases (marlhf: 5.x, TRL: 4.57), so the model forward itself may differ in speed.
+Device: on a machine with a GPU both sides train on it (marlhf through Accelerate, TRL's Trainer with use_cpu
+off), still float32, the clocks synchronize the GPU at each step's end, and the peak GPU memory
+(torch.cuda.max_memory_allocated) is printed beside the RSS; `benchmarks/gpu.sh` runs all three comparisons
+there when the TRL venvs exist (each made with a CUDA build of torch 2.13.0). Without a GPU, the CPU.
 
 GRPO and RLOO (`--trainer grpo|rloo`): marlhf's `advantage="grpo"|"rloo"` against TRL 1.16's GRPOTrainer and
 RLOOTrainer, in another git-ignored venv with the transformers marlhf uses (5.23.0, which TRL 1.16 accepts):
@@ -100,6 +104,12 @@ def rss_mib() -> float:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def peak_gpu_mib() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
 def word_tokenizer():
@@ -185,7 +195,7 @@ def run_marlhf(args) -> dict:
         train_ppo(config, prompts, policy=policy, tokenizer=tokenizer, **scorer)
         metrics = read_metrics(output_dir)
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
-    return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
+    return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "peak_gpu_mib": peak_gpu_mib(),
             "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
             "environment": {**environment(policy), "kv_cache": config.kv_cache} if args.trainer == "ppo" else {
                 **environment(policy), "mixed_precision": config.mixed_precision,
@@ -199,12 +209,15 @@ def train_timed(trainer, on_step=None) -> tuple[list[float], float]:
     """Train a transformers Trainer; return the seconds of each optimizer step (between on_step_end callbacks,
     the first from the start of train()) and the resident size just before training. `on_step()` runs after
     each step's clock reading."""
+    import torch
     from transformers import TrainerCallback
 
     step_ends: list[float] = []
 
     class StepClock(TrainerCallback):
         def on_step_end(self, *_, **__):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels are done (marlhf's clock syncs the same way)
             step_ends.append(time.perf_counter())
             if on_step is not None:
                 on_step()
@@ -240,8 +253,8 @@ def run_trl(args) -> dict:
                            temperature=TEMPERATURE, num_ppo_epochs=1, kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0,
                            lam=0.95, cliprange=0.2, cliprange_value=0.2, stop_token=None, missing_eos_penalty=None,
                            num_sample_generations=0, learning_rate=1e-5, lr_scheduler_type="linear", report_to="none",
-                           save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, use_cpu=True,
-                           dataloader_num_workers=0,
+                           save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+                           use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
                            # TRL 0.26's PPOConfig defaults to bf16 autocast and gradient checkpointing; marlhf runs
                            # float32 without checkpointing, so both are pinned off (on this CPU bf16 alone is ~10x)
                            bf16=False, fp16=False, gradient_checkpointing=False)
@@ -249,7 +262,7 @@ def run_trl(args) -> dict:
                              reward_model=reward_model, value_model=value_model, train_dataset=dataset,
                              eval_dataset=dataset.select(range(args.batch)))
         step_seconds, rss_before = train_timed(trainer)
-    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
+    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "peak_gpu_mib": peak_gpu_mib(),
             "response_length": float(args.new_tokens),
             "environment": {**environment(policy), "bf16": config.bf16, "fp16": config.fp16,
                             "gradient_checkpointing": config.gradient_checkpointing}}
@@ -273,7 +286,8 @@ def run_trl_group(args) -> dict:
                   temperature=TEMPERATURE, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, beta=args.kl_coef,
                   epsilon=0.2, mask_truncated_completions=False, use_vllm=False, log_completions=False,
                   learning_rate=LEARNING_RATE, lr_scheduler_type="linear", warmup_steps=0,
-                  max_steps=args.warmup + args.steps, seed=0, use_cpu=True, dataloader_num_workers=0,
+                  max_steps=args.warmup + args.steps, seed=0, use_cpu=not torch.cuda.is_available(),
+                  dataloader_num_workers=0,
                   report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no",
                   disable_tqdm=True,
                   # TRL's configs default to bf16 autocast and gradient checkpointing; marlhf runs float32 without
@@ -297,11 +311,21 @@ def run_trl_group(args) -> dict:
               ("generation_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps",
                "per_device_train_batch_size", "num_generations", "max_completion_length", "beta", "epsilon",
                "temperature", "top_k", "top_p", "use_vllm", *per_trainer)}
-    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(),
+    return {"step_seconds": step_seconds[args.warmup:], "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "peak_gpu_mib": peak_gpu_mib(),
             "response_length": statistics.mean(lengths),
             "environment": {**environment(policy), "bf16": config.bf16, "fp16": config.fp16,
                             "gradient_checkpointing": config.gradient_checkpointing,
                             "reference": trainer.ref_model is not None, "options": pinned}}
+
+
+def where(threads: int) -> str:
+    """The device both sides train on: the GPU when there is one (marlhf through Accelerate, TRL through its
+    Trainer), else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU ({torch.cuda.get_device_name()}), float32"
+    return f"CPU ({os.cpu_count()} cores, {threads} torch threads)"
 
 
 def child(side: str, args) -> dict:
@@ -374,13 +398,12 @@ def main() -> None:
               f"{args.generations} samples, prompts "
               f"{args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, up to {args.new_tokens} new tokens, Python "
               f"reward, KL {args.kl_coef}, 1 update in {args.pieces} piece(s), {args.steps} steps after "
-              f"{args.warmup} warm-up, CPU ({os.cpu_count()} cores, {args.threads} torch threads)")
+              f"{args.warmup} warm-up, {where(args.threads)}")
     else:
         print(f"PPO step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, x4 models), batch "
               f"{args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, {args.new_tokens} new "
               f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs="
-              f"{args.rollout_logprobs}, {args.steps} steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores, "
-              f"{args.threads} torch threads)")
+              f"{args.rollout_logprobs}, {args.steps} steps after {args.warmup} warm-up, {where(args.threads)}")
     ratios = []
     for number, results in enumerate(rounds, start=1):
         if args.rounds > 1:
@@ -392,15 +415,18 @@ def main() -> None:
             result["train_mib"] = result["peak_rss_mib"] - result["rss_before_mib"]
             if number == 1:
                 print(f"  {side:7s} environment {json.dumps(result['environment'], sort_keys=True)}")
+            gpu = f", peak GPU memory {result['peak_gpu_mib']:.0f} MiB" if result.get("peak_gpu_mib") else ""
             print(f"  {side:7s} {result['steps_per_second']:.3f} steps/s (median {statistics.median(seconds):.3f} s, "
                   f"min {min(seconds):.3f} s)  peak RSS {result['peak_rss_mib']:.0f} MiB, +{result['train_mib']:.0f} "
-                  f"MiB during training  mean response {result['response_length']:.1f} tokens")
+                  f"MiB during training{gpu}  mean response {result['response_length']:.1f} tokens")
         marlhf, trl = results["marlhf"], results["trl"]
         ratios.append(marlhf["steps_per_second"] / trl["steps_per_second"])
+        gpu = (f", peak GPU memory ratio {marlhf['peak_gpu_mib'] / trl['peak_gpu_mib']:.2f}"
+               if marlhf.get("peak_gpu_mib") and trl.get("peak_gpu_mib") else "")
         print(f"  marlhf / TRL throughput: {ratios[-1]:.2f}x (median), "
               f"{min(trl['step_seconds']) / min(marlhf['step_seconds']):.2f}x (min); "
               f"peak RSS ratio {marlhf['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
-              f"training-memory ratio {marlhf['train_mib'] / max(trl['train_mib'], 1e-9):.2f}")
+              f"training-memory ratio {marlhf['train_mib'] / max(trl['train_mib'], 1e-9):.2f}{gpu}")
     if args.rounds > 1:
         print(f"  median over {args.rounds} rounds of the throughput ratio: {statistics.median(ratios):.2f}x "
               f"(rounds: {', '.join(f'{r:.2f}x' for r in ratios)})")
