@@ -354,8 +354,8 @@ def score_responses(
     reward_kwargs: dict[str, list] | None = None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
-    reference log-probs (none without a reference: `ref` None), critic values (when there is a critic) and one score per response, from
-    `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`.
+    reference log-probs (none when `ref` is None), critic values (when there is a critic) and one score per
+    response, from `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`.
 
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
@@ -384,7 +384,9 @@ def score_responses(
 
     if policy is not None:
         logprobs = run(lambda *rows: response_logprobs(policy, *rows, temperature=temperature))
-    ref_logprobs = run(lambda *rows: response_logprobs(ref, *rows, temperature=temperature)) if ref is not None else None
+    ref_logprobs = None
+    if ref is not None:
+        ref_logprobs = run(lambda *rows: response_logprobs(ref, *rows, temperature=temperature))
     if critic is not None:
         values = run(lambda *rows: response_values(critic, *rows))
     logprobs, values = logprobs.detach(), values.detach() if values is not None else None
