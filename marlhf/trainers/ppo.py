@@ -580,7 +580,8 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
               reward_fn: RewardFn | list[RewardFn] | None = None):
     """Train the policy with (MA-)PPO on `prompts` ({"prompt": ...} records; default: config.dataset) and
     return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
-    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores. Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
+    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
+    Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
     accelerator = make_accelerator(config)
     device = accelerator.device
     records = prompts if prompts is not None else records_from_config(config, "rl")
