@@ -258,8 +258,18 @@ def _first_reaching(curve: np.ndarray, target: float) -> float:
     return float(hits[0] + 1) if hits.size else math.nan  # steps are 1-based
 
 
-def _gold_at_kl(kl: np.ndarray, gold: np.ndarray, target_kl: float) -> float:
-    """Gold read off the gold-vs-KL curve at `target_kl` (linear interpolation at the first crossing)."""
+def _gold_at_kl(kl: np.ndarray, gold: np.ndarray, target_kl: float, crossing: str = "first") -> float:
+    """Gold read off the gold-vs-KL curve at `target_kl`, linearly interpolated where the KL curve first reaches
+    it (`crossing="first"`, the pre-registered reading) or where it last passes it (`"last"`, added post hoc:
+    Task 1-long's KL peaks early and falls back, so its first crossing lies on the early transient)."""
+    if crossing == "last":
+        low, high = np.minimum(kl[:-1], kl[1:]), np.maximum(kl[:-1], kl[1:])
+        spans = np.nonzero((low <= target_kl) & (target_kl <= high))[0]
+        if not spans.size:
+            return math.nan
+        i = spans[-1] + 1
+        frac = (target_kl - kl[i - 1]) / (kl[i] - kl[i - 1]) if kl[i] != kl[i - 1] else 1.0
+        return float(gold[i - 1] + frac * (gold[i] - gold[i - 1]))
     hits = np.nonzero(kl >= target_kl)[0]
     if not hits.size:
         return math.nan
@@ -276,7 +286,9 @@ def _merits(gold: np.ndarray, kl: np.ndarray, final: np.ndarray, target: float,
     mean_gold, mean_kl = _smooth(gold, SMOOTHING).mean(0), _smooth(kl, SMOOTHING).mean(0)
     return {"steps_to_80": _first_reaching(mean_gold, target), "auc": float(gold.mean()),
             "final_held_out_gold": float(final.mean()),
-            "gold_at_matched_kl": _gold_at_kl(mean_kl, mean_gold, matched_kl), "final_kl": float(mean_kl[-1])}
+            "gold_at_matched_kl": _gold_at_kl(mean_kl, mean_gold, matched_kl),
+            "gold_at_matched_kl_last": _gold_at_kl(mean_kl, mean_gold, matched_kl, crossing="last"),
+            "final_kl": float(mean_kl[-1])}
 
 
 def _interval(values_by_sample: np.ndarray) -> tuple[float, float]:
@@ -360,6 +372,37 @@ def summarize(results: Path, cells: dict[tuple[str, str, str], tuple[int, ...]])
     return summary
 
 
+# Pre-registered (README, before any Task 1-long run with `first`): `first` becomes PPOConfig's default if, in
+# every comparison below, its final held-out gold is above `equal`'s with disjoint 95 % intervals and its gold
+# at matched KL (first crossing) is not below `equal`'s (the intervals overlap, or it is above).
+DECISION_COMPARISONS = tuple((f"{task}/{setup}", term) for task in ("task1", "task1_long") for setup in SETUPS
+                             for term in ("n5", "word"))
+
+
+def value_weighting_decision(summary: dict) -> dict:
+    """The pre-registered rule for `value_weighting="first"` as the default, from the summary's cells:
+    {"comparisons": [...], "complete": bool, "first_becomes_default": bool | None (None: cells missing)}."""
+    comparisons, complete = [], True
+    missing = {run.rsplit("/", 1)[0] for run in summary["missing_runs"]}
+    for group, term in DECISION_COMPARISONS:
+        names = {w: f"{group}/{term}{'+vw_first' if w == 'first' else ''}" for w in ("first", "equal")}
+        if any(name in missing or name not in summary["cells"] for name in names.values()):
+            complete = False
+            continue
+        first, equal = summary["cells"][names["first"]], summary["cells"][names["equal"]]
+        gold_above = first["final_held_out_gold_ci"][0] > equal["final_held_out_gold_ci"][1]
+        # not below: the intervals overlap or first's is above (an undefined reading, never at that KL, fails)
+        kl_first, kl_equal = first["gold_at_matched_kl_ci"], equal["gold_at_matched_kl_ci"]
+        kl_not_below = (not any(math.isnan(x) for x in kl_first)
+                        and (any(math.isnan(x) for x in kl_equal) or kl_first[1] >= kl_equal[0]))
+        comparisons.append({"group": group, "termination": term, "final_gold": (first["final_held_out_gold"],
+                            equal["final_held_out_gold"]), "final_gold_above": gold_above,
+                            "matched_kl_gold": (first["gold_at_matched_kl"], equal["gold_at_matched_kl"]),
+                            "matched_kl_not_below": kl_not_below})
+    passed = all(c["final_gold_above"] and c["matched_kl_not_below"] for c in comparisons)
+    return {"comparisons": comparisons, "complete": complete, "first_becomes_default": passed if complete else None}
+
+
 def _cell_sort_key(cell: str):
     term, variant = split_cell(cell)
     first_variant = variant.split("+")[0]
@@ -386,7 +429,9 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
              "speed-up: n1's steps over the cell's. AUC: mean training gold over the "
              "steps. Gold at matched KL: training gold read off the seed-mean gold-vs-KL curve at the final "
              "KL of token-level PPO (n1's final KL; - : the cell never moved that far; every step's prompts are new, "
-             "so training gold is on unseen prompts). Final gold: held-out prompts after the last step.", ""]
+             "so training gold is on unseen prompts), where the curve first reaches it (pre-registered) and, added "
+             "post hoc, where it last passes it (the same when KL only grows; they differ where KL peaks early and "
+             "falls back, as in Task 1-long). Final gold: held-out prompts after the last step.", ""]
     if summary["missing_runs"]:
         lines += [f"**Incomplete: {len(summary['missing_runs'])} runs of the grid have no result yet** (they are "
                   "run by the next invocation of the script).", ""]
@@ -399,8 +444,8 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
                   f"{info['ppo_final_train_gold']:.3f} (gain 95 % interval [{gain_low:.3f}, {gain_high:.3f}]); "
                   f"{target}; matched KL {info['matched_kl']:.2f}. Figure: `{group.replace('/', '_')}.png`.", "",
                   "| cell | seeds | steps to 80 % | speed-up | AUC | final gold (held-out) | gold at matched KL "
-                  "| final KL | clip frac | mean segment | s/run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| same, last crossing (post hoc) | final KL | clip frac | mean segment | s/run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, entry in summary["cells"].items():
             if not name.startswith(group + "/"):
                 continue
@@ -411,8 +456,24 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
                 f"| {_fmt(entry['speedup_vs_ppo'], digits=2)} | {_fmt(entry['auc'], entry['auc_ci'])} "
                 f"| {_fmt(entry['final_held_out_gold'], entry['final_held_out_gold_ci'])} "
                 f"| {_fmt(entry['gold_at_matched_kl'], entry['gold_at_matched_kl_ci'])} "
+                f"| {_fmt(entry['gold_at_matched_kl_last'], entry['gold_at_matched_kl_last_ci'])} "
                 f"| {entry['final_kl']:.1f} | {entry['clipfrac']:.3f} | {entry['mean_segment_length']:.1f} "
                 f"| {entry['run_seconds']:.0f} |")
+        lines.append("")
+    decision = summary.get("value_weighting_decision")
+    if decision is not None:
+        verdict = {True: "**`first` becomes the default**", False: "**`equal` stays the default**",
+                   None: "not decided yet: some of these cells are incomplete"}[decision["first_becomes_default"]]
+        lines += ["## Pre-registered decision: the default value weighting", "",
+                  "`first` becomes PPOConfig's default if, for n = 5 and word segments in both set-ups of Task 1 and "
+                  "Task 1-long, its final held-out gold is above `equal`'s with disjoint 95 % intervals and its gold "
+                  f"at matched KL is not below `equal`'s (intervals overlap, or above). Verdict: {verdict}.", "",
+                  "| task/set-up | segments | final gold, first vs equal | disjoint, above | gold at matched KL, "
+                  "first vs equal | not below |", "|---|---|---|---|---|---|"]
+        for c in decision["comparisons"]:
+            lines.append(f"| {c['group']} | {c['termination']} | {c['final_gold'][0]:.3f} vs {c['final_gold'][1]:.3f} "
+                         f"| {'yes' if c['final_gold_above'] else 'no'} | {_fmt(c['matched_kl_gold'][0])} vs "
+                         f"{_fmt(c['matched_kl_gold'][1])} | {'yes' if c['matched_kl_not_below'] else 'no'} |")
         lines.append("")
     lines += [f"Wall time of the runs so far: {wall['run_seconds_total'] / 3600:.1f} h of run time "
               f"({wall['runs']} runs; two at a time)."]
@@ -466,6 +527,8 @@ def plot(results: Path, summary: dict) -> list[Path]:
 
 def summarize_and_plot(results: Path, cells, exploratory: bool = False) -> dict:
     summary = summarize(results, cells)
+    if not exploratory:
+        summary["value_weighting_decision"] = value_weighting_decision(summary)
     runs = [r for rs in load_results(results).values() for r in rs]
     wall = {"runs": len(runs), "run_seconds_total": sum(r["run_seconds"] for r in runs)}
     write_summary(summary, results, wall, exploratory)

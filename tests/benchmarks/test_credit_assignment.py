@@ -122,3 +122,42 @@ def test_no_target_when_ppos_gain_is_within_seed_noise(tmp_path):
     credit_assignment.write_summary(summary, tmp_path, {"run_seconds_total": 4.0, "runs": 4})
     table = (tmp_path / "summary.md").read_text()
     assert "no 80 % target" in table and "| n5 | 2 | undefined |" in table
+
+
+def test_gold_at_kl_first_and_last_crossing():
+    """KL that peaks early and falls back (Task 1-long): the first crossing reads the rising edge, the last one
+    where the curve comes down to the target; with KL that only grows the two agree."""
+    kl = np.array([0.0, 4.0, 8.0, 6.0, 3.0, 2.0])
+    gold = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    assert credit_assignment._gold_at_kl(kl, gold, 2.0) == pytest.approx(0.05)  # between steps 1 and 2
+    assert credit_assignment._gold_at_kl(kl, gold, 2.0, crossing="last") == pytest.approx(0.5)  # the last step
+    assert credit_assignment._gold_at_kl(kl, gold, 4.5, crossing="last") == pytest.approx(0.35)  # 6 -> 3, halfway
+    assert math.isnan(credit_assignment._gold_at_kl(kl, gold, 9.0, crossing="last"))  # never that far
+    rising = np.array([0.0, 1.0, 2.0, 3.0])
+    for target in (0.5, 2.5):
+        assert credit_assignment._gold_at_kl(rising, gold[:4], target, crossing="last") == pytest.approx(
+            credit_assignment._gold_at_kl(rising, gold[:4], target))
+
+
+def test_value_weighting_decision_applies_the_pre_registered_rule():
+    def cell(gold, gold_ci, kl_gold, kl_ci):
+        return {"final_held_out_gold": gold, "final_held_out_gold_ci": gold_ci,
+                "gold_at_matched_kl": kl_gold, "gold_at_matched_kl_ci": kl_ci}
+
+    cells = {}
+    for group, term in credit_assignment.DECISION_COMPARISONS:
+        cells[f"{group}/{term}"] = cell(0.5, (0.45, 0.55), 0.4, (0.35, 0.45))
+        cells[f"{group}/{term}+vw_first"] = cell(0.7, (0.65, 0.75), 0.38, (0.30, 0.40))  # matched KL: overlaps
+    decide = credit_assignment.value_weighting_decision
+    result = decide({"cells": cells, "missing_runs": []})
+    assert result["complete"] and result["first_becomes_default"] and len(result["comparisons"]) == 8
+
+    group, term = credit_assignment.DECISION_COMPARISONS[-1]
+    touching = dict(cells, **{f"{group}/{term}+vw_first": cell(0.6, (0.55, 0.65), 0.4, (0.35, 0.45))})
+    assert decide({"cells": touching, "missing_runs": []})["first_becomes_default"] is False  # 0.55 = 0.55: not disjoint
+    below = dict(cells, **{f"{group}/{term}+vw_first": cell(0.7, (0.65, 0.75), 0.2, (0.1, 0.3))})
+    assert decide({"cells": below, "missing_runs": []})["first_becomes_default"] is False
+    never = dict(cells, **{f"{group}/{term}+vw_first": cell(0.7, (0.65, 0.75), math.nan, (math.nan, math.nan))})
+    assert decide({"cells": never, "missing_runs": []})["first_becomes_default"] is False
+    incomplete = decide({"cells": cells, "missing_runs": [f"{group}/{term}/seed4"]})
+    assert not incomplete["complete"] and incomplete["first_becomes_default"] is None
