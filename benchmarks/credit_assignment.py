@@ -133,7 +133,9 @@ def quick_grid() -> dict[tuple[str, str, str], tuple[int, ...]]:
 def demo_config(task: str, setup: str, quick: bool):
     from marlhf.demo.config import DemoConfig
 
-    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, **TASKS[task], **SETUPS[setup])
+    # "" cells are the paper's value weighting (`equal`), whatever PPOConfig's default (`first` since this study)
+    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, value_weighting="equal", **TASKS[task],
+                   **SETUPS[setup])
     if quick:  # seconds: the test's smoke grid
         return DemoConfig.quick(**options, pretrain_texts=256, sft_records=64, preference_records=128, ppo_steps=3,
                                 ppo_batch_size=8, eval_prompts=8)

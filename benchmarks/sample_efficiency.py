@@ -31,11 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--critic_init", choices=("reward", "sft"), default="reward",
                         help="critic initialisation: the reward model (default, the paper's) or the SFT model "
                              "with a fresh head")
+    parser.add_argument("--value_weighting", choices=("equal", "unit", "position", "first"), default="equal",
+                        help="MA-PPO's segment values (default: the paper's equal weights, as the README's table)")
     parser.add_argument("--quick", action="store_true", help="the demo's shortened sizes (a smoke test)")
     arguments = parser.parse_args(argv)
 
     options = dict(out=arguments.out, seeds=tuple(arguments.seeds), terminations=EXTRA_TERMINATIONS,
-                   critic_init=arguments.critic_init)
+                   critic_init=arguments.critic_init, value_weighting=arguments.value_weighting)
     if arguments.ppo_steps is not None:
         options["ppo_steps"] = arguments.ppo_steps
     config = DemoConfig.quick(**options) if arguments.quick else DemoConfig(**options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,9 @@ def test_config_loads_into_its_class(path):
         assert config.per_device_batch_size * PROCESSES == batch
         assert (config.clip_range, config.gamma, config.lam, config.ppo_epochs) == (0.2, 1.0, 0.95, 1)
         assert config.kl_coef == 0.05
+        # the paper's segment value, written out: PPOConfig's default is `first` since the credit-assignment study
+        assert yaml.safe_load(path.read_text())["value_weighting"] == config.value_weighting == "equal"
+        assert {f.name: f.default for f in dataclasses.fields(PPOConfig)}["value_weighting"] == "first"
     else:
         assert config.per_device_batch_size * PROCESSES * config.gradient_accumulation_steps == batch
     assert config.learning_rate == learning_rate

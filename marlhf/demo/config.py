@@ -46,8 +46,8 @@ class DemoConfig(ConfigBase):
     dpo_learning_rate: float = option(3e-4, "learning rate of the dpo method", gt=0)
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
     value_weighting: Literal["equal", "unit", "position", "first"] = option(
-        "equal", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
-                 "macro action starts, see the README's credit-assignment study)")
+        "first", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
+                 "macro action starts, see the README's credit-assignment study; equal: the paper's)")
     segment_weighting: Literal["tokens", "uniform", "geometric"] = option(
         "tokens", "MA-PPO's policy loss over macro actions (PPOConfig.segment_weighting)")
     critic_init: Literal["reward", "sft"] = option(

@@ -27,9 +27,11 @@ Each step, top to bottom (the stages are the functions `make_experience`, `macro
      ratios as in TRL's GRPO), clipped value loss on segment values;
   6. metrics, checkpoint.
 
-Defaults follow the paper (SPEC.md); `ratio_granularity`, `segment_reward`, `last_token_own_segment`
-and `rm_score_clip` reproduce the released code's choices instead; `value_weighting="first"` and
-`segment_weighting` are the credit-assignment study's alternatives (README).
+Defaults follow the paper (SPEC.md) but one: a macro action's value is the value of the state where it
+starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (README);
+`value_weighting="equal"` is the paper's. `ratio_granularity`, `segment_reward`, `last_token_own_segment`
+and `rm_score_clip` reproduce the released code's choices instead; `segment_weighting` offers the study's
+alternatives of the policy loss.
 
 Data parallel (Accelerate): each process samples responses to its own prompts, every response from its own
 random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
@@ -161,9 +163,10 @@ class PPOConfig(TrainingConfig):
     gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
     value_weighting: Literal["equal", "unit", "position", "first"] = option(
-        "equal", "a macro action's value from its token values: equal weights, the last token only (unit), "
-                 "weights growing towards the last token (position), or the first token's, the value of the state "
-                 "where the macro action starts (first; not in the paper)")
+        "first", "a macro action's value from its token values: the first token's, the value of the state where "
+                 "the macro action starts (first; not in the paper, the default since the README's credit-"
+                 "assignment study), or the paper's: equal weights (equal), the last token only (unit), weights "
+                 "growing towards the last token (position)")
     segment_reward: Literal["sum", "mean", "weighted"] = option(
         "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
                "values), or weighted like its value (released code: value_weighting's weights)")
