@@ -269,6 +269,7 @@ def _run_demo(config: DemoConfig) -> dict:
                         wall_seconds=round(time.perf_counter() - start, 1))
     summary["sft"] = sft_metrics
     summary["stage_seconds"] = stage_seconds
+    summary["value_weighting"] = config.value_weighting  # MA-PPO's segment values: not the paper's by default
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold
     if "dpo" in finals:
