@@ -293,6 +293,15 @@ def _merits(gold: np.ndarray, kl: np.ndarray, final: np.ndarray, target: float,
             "final_kl": float(mean_kl[-1])}
 
 
+def _transients(kl: np.ndarray, length: np.ndarray) -> dict:
+    """Where the seed-mean KL peaks and the seed-mean response length is shortest ([seeds, steps] curves; steps
+    1-based): a KL that peaks and falls back, or responses that shrink and grow again, mark an early excursion."""
+    mean_kl, mean_length = kl.mean(0), length.mean(0)
+    return {"kl_peak": float(mean_kl.max()), "kl_peak_step": int(mean_kl.argmax()) + 1,
+            "length_start": float(mean_length[0]), "length_min": float(mean_length.min()),
+            "length_min_step": int(mean_length.argmin()) + 1, "length_final": float(mean_length[-1])}
+
+
 def _interval(values_by_sample: np.ndarray) -> tuple[float, float]:
     finite = values_by_sample[np.isfinite(values_by_sample)]
     if finite.size < 0.5 * values_by_sample.size:  # mostly undefined (never reached): no interval
@@ -361,7 +370,8 @@ def summarize(results: Path, cells: dict[tuple[str, str, str], tuple[int, ...]])
                                                    for r in rs])),
                      "mean_segment_length": float(np.mean([np.nanmean(np.array(
                          r["curves"]["macro/mean_segment_length"], dtype=float)) for r in rs])),
-                     "run_seconds": float(np.mean([r["run_seconds"] for r in rs]))}
+                     "run_seconds": float(np.mean([r["run_seconds"] for r in rs])),
+                     **_transients(k, np.array([r["curves"]["objective/response_length"] for r in rs], dtype=float))}
             if cell == BASELINE_CELL:
                 ppo_steps = entry["steps_to_80"]
             summary["cells"]["/".join((task, setup, cell))] = entry
@@ -433,7 +443,8 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
              "KL of token-level PPO (n1's final KL; - : the cell never moved that far; every step's prompts are new, "
              "so training gold is on unseen prompts), where the curve first reaches it (pre-registered) and, added "
              "post hoc, where it last passes it (the same when KL only grows; they differ where KL peaks early and "
-             "falls back, as in Task 1-long). Final gold: held-out prompts after the last step.", ""]
+             "falls back, as in Task 1-long). KL peak and response length (post hoc, to show that excursion): on the "
+             "seed-mean curves. Final gold: held-out prompts after the last step.", ""]
     if summary["missing_runs"]:
         lines += [f"**Incomplete: {len(summary['missing_runs'])} runs of the grid have no result yet** (they are "
                   "run by the next invocation of the script).", ""]
@@ -446,8 +457,9 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
                   f"{info['ppo_final_train_gold']:.3f} (gain 95 % interval [{gain_low:.3f}, {gain_high:.3f}]); "
                   f"{target}; matched KL {info['matched_kl']:.2f}. Figure: `{group.replace('/', '_')}.png`.", "",
                   "| cell | seeds | steps to 80 % | speed-up | AUC | final gold (held-out) | gold at matched KL "
-                  "| same, last crossing (post hoc) | final KL | clip frac | mean segment | s/run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| same, last crossing (post hoc) | final KL | KL peak (step) | response length: start, shortest "
+                  "(step), final | clip frac | mean segment | s/run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, entry in summary["cells"].items():
             if not name.startswith(group + "/"):
                 continue
@@ -459,7 +471,9 @@ def write_summary(summary: dict, results: Path, wall: dict, exploratory: bool = 
                 f"| {_fmt(entry['final_held_out_gold'], entry['final_held_out_gold_ci'])} "
                 f"| {_fmt(entry['gold_at_matched_kl'], entry['gold_at_matched_kl_ci'])} "
                 f"| {_fmt(entry['gold_at_matched_kl_last'], entry['gold_at_matched_kl_last_ci'])} "
-                f"| {entry['final_kl']:.1f} | {entry['clipfrac']:.3f} | {entry['mean_segment_length']:.1f} "
+                f"| {entry['final_kl']:.1f} | {entry['kl_peak']:.1f} ({entry['kl_peak_step']}) "
+                f"| {entry['length_start']:.0f}, {entry['length_min']:.0f} ({entry['length_min_step']}), "
+                f"{entry['length_final']:.0f} | {entry['clipfrac']:.3f} | {entry['mean_segment_length']:.1f} "
                 f"| {entry['run_seconds']:.0f} |")
         lines.append("")
     decision = summary.get("value_weighting_decision")

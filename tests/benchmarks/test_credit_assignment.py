@@ -70,7 +70,7 @@ def test_summary_figures_of_merit_on_made_up_curves(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         curves = {key: [0.0] * len(gold) for key in ("policy/clipfrac", "macro/mean_segment_length", "val/advantage_l2",
                                                      "val/return_l2")}
-        curves.update({"gold_reward": gold, "objective/kl": kl})
+        curves.update({"gold_reward": gold, "objective/kl": kl, "objective/response_length": [64.0] * len(gold)})
         path.write_text(json.dumps({"task": "task1", "setup": "gold_sft", "cell": cell, "seed": seed,
                                     "sft_sha256": "a", "reward_sha256": "b", "steps": list(range(1, len(gold) + 1)),
                                     "curves": curves, "held_out": {"gold_reward": held_out, "kl": kl[-1]},
@@ -107,7 +107,8 @@ def test_no_target_when_ppos_gain_is_within_seed_noise(tmp_path):
             path = credit_assignment.result_path(tmp_path, "task2", "gold_sft", cell, seed)
             path.parent.mkdir(parents=True, exist_ok=True)
             gold = [direction * 0.1 * s / steps for s in range(steps)]
-            curves = {key: [0.0] * steps for key in ("policy/clipfrac", "macro/mean_segment_length")}
+            curves = {key: [0.0] * steps for key in ("policy/clipfrac", "macro/mean_segment_length",
+                                                     "objective/response_length")}
             curves.update({"gold_reward": gold, "objective/kl": [0.1 * s for s in range(steps)]})
             path.write_text(json.dumps({"task": "task2", "setup": "gold_sft", "cell": cell, "seed": seed,
                                         "sft_sha256": "a", "reward_sha256": "b", "steps": list(range(1, steps + 1)),
@@ -161,3 +162,11 @@ def test_value_weighting_decision_applies_the_pre_registered_rule():
     assert decide({"cells": never, "missing_runs": []})["first_becomes_default"] is False
     incomplete = decide({"cells": cells, "missing_runs": [f"{group}/{term}/seed4"]})
     assert not incomplete["complete"] and incomplete["first_becomes_default"] is None
+
+
+def test_transients_find_the_kl_peak_and_the_shortest_responses():
+    kl = np.array([[0.0, 6.0, 2.0, 1.0], [0.0, 2.0, 4.0, 1.0]])  # seed-mean 0, 4, 3, 1: peak 4 at step 2
+    length = np.array([[180.0, 90.0, 60.0, 170.0], [180.0, 70.0, 100.0, 150.0]])  # mean 180, 80, 80, 160
+    assert credit_assignment._transients(kl, length) == {
+        "kl_peak": 4.0, "kl_peak_step": 2, "length_start": 180.0, "length_min": 80.0, "length_min_step": 2,
+        "length_final": 160.0}
