@@ -65,6 +65,7 @@ VARIANTS = {  # PPOConfig options on top of the termination; "" is the paper's d
     "segreward_mean": {"segment_reward": "mean"},
     "sw_uniform": {"segment_weighting": "uniform"},
     "sw_geometric": {"segment_weighting": "geometric"},
+    "lam1": {"lam": 1.0},  # exploratory only (--cells): GAE without lambda's decay over the response
 }
 BASELINE_CELL = "n1"  # token-level PPO
 GROUPS = {  # cells drawn together in a figure row
