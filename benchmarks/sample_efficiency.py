@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 
+from marlhf.advantages import ValueWeighting
 from marlhf.demo.config import DemoConfig
 from marlhf.demo.pipeline import run_demo
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--critic_init", choices=("reward", "sft"), default="reward",
                         help="critic initialisation: the reward model (default, the paper's) or the SFT model "
                              "with a fresh head")
-    parser.add_argument("--value_weighting", choices=("equal", "unit", "position", "first"), default="equal",
+    parser.add_argument("--value_weighting", choices=typing.get_args(ValueWeighting), default="equal",
                         help="MA-PPO's segment values (default: the paper's equal weights, as the README's table)")
     parser.add_argument("--quick", action="store_true", help="the demo's shortened sizes (a smoke test)")
     arguments = parser.parse_args(argv)

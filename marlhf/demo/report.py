@@ -136,12 +136,6 @@ def results_table(summary: dict) -> list[str]:
     return lines
 
 
-VALUE_WEIGHTINGS = {"first": "the value of the state where a macro action starts; the paper uses `equal`",
-                    "equal": "the mean of the values at its tokens, the paper's",
-                    "unit": "the value at its last token, one of the paper's",
-                    "position": "values weighted towards its last token, one of the paper's"}
-
-
 def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict[str, dict],
                  task: SyntheticTask) -> None:
     """report.md: what was run, the plot, one table row per method, one marked-up sample per model."""
@@ -151,8 +145,8 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
         f"Seeds {', '.join(str(s) for s in summary['seeds'])}; wall time {summary['wall_seconds']:.0f} s "
         f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
         "PPO optimises the reward model's score; the gold reward (in [-1, 1]) is the task's true objective.",
-        *([f"MA-PPO's segment values: `value_weighting: {summary['value_weighting']}` "
-           f"({VALUE_WEIGHTINGS[summary['value_weighting']]})."] if "value_weighting" in summary else []),
+        f"MA-PPO's segment values: `value_weighting: {summary['value_weighting']}` (the paper's is `equal`; "
+        "`first`, the default, is the value of the state where a macro action starts).",
         "",
         f"![gold and reward-model reward against step]({plot_name})",
         "",

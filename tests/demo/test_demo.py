@@ -40,7 +40,7 @@ def test_every_file_is_written(demo_run):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "![" in report and "curves.png" in report
-    assert "`value_weighting: first` (the value of the state where a macro action starts" in report  # the default
+    assert "MA-PPO's segment values: `value_weighting: first` (" in report  # the default
     assert all(f"| {m} |" in report for m in METHODS + EXTRA_METHODS + BASELINES)
     for name in ("metrics.jsonl", "eval_samples.jsonl", "config.yaml"):
         assert (out / "runs" / "dpo" / "seed0" / name).stat().st_size > 0, name
