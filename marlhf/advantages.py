@@ -10,6 +10,23 @@ bool. For row b with segments tau = 0..m-1 (SPEC.md):
 
 and every token of segment tau carries A_tau and Q_tau. Sequence-level estimators (rloo, grpo,
 reinforce) give one advantage per sample for the critic-free baselines.
+
+Lambda may differ per row (a float tensor [B]): :func:`length_adaptive_lam` gives VAPO's
+lam = 1 - 1 / (alpha * l) for a row of l actions, and PPO can take the critic's targets with another
+lambda than the actor's advantages (VC-PPO's decoupled GAE; `lam_critic` in PPOConfig).
+
+Macro GAE is token GAE with a lambda schedule. With `value_weighting="first"` and gamma = 1, a
+segment's value is V_{t_tau}, the value of its first token's state, so its TD error telescopes:
+
+    delta_tau = sum_{t in tau} r_t + V_{t_{tau+1}} - V_{t_tau} = sum_{t in tau} (r_t + V_{t+1} - V_t),
+
+the sum of the token TD errors of its tokens. Hence A_tau = sum_{t in tau} delta_t + lam A_{tau+1} is
+the token-level GAE A_t = delta_t + lam_{t+1} A_{t+1} at the segment's first token, under the per-token
+lambda schedule lam_{t+1} = 1 inside a segment and lam where segment tau+1 starts. Its effective
+per-token lambda is about lam ** (1 / n) for n-token segments (0.95 ** 0.2 = 0.990 at n = 5: a horizon
+of ~100 tokens instead of ~20); the segment's other tokens carry the same A_tau, i.e. measured against
+the baseline V(segment start) rather than their own state. At lam = 1 both are the Monte Carlo return
+minus V_{t_tau}. tests/test_advantages.py checks the identity on random ragged batches.
 """
 
 from __future__ import annotations
@@ -33,6 +50,7 @@ SegmentReward = Literal["sum", "mean", "weighted"]
 
 __all__ = [
     "kl_penalized_rewards",
+    "length_adaptive_lam",
     "token_gae",
     "macro_gae",
     "segment_weights",
@@ -87,22 +105,27 @@ def kl_penalized_rewards(
     return rewards.scatter_add(1, last, score)
 
 
-def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:
     """``y_t = sum_{l >= t} discount^(l - t) x_l`` along the last dim, without a Python loop.
 
-    A reverse cumsum when ``discount == 1``, else one matmul with the [S, S] matrix of discount
-    powers (exact powers, no rescaling that could overflow for long rows).
+    ``discount``: a float, or a float tensor [B] with one discount per row of ``x`` [B, S]. A reverse
+    cumsum when the discount is the float 1, else a matmul with the [S, S] matrix of discount powers
+    ([B, S, S] for per-row discounts; exact powers, no rescaling that could overflow for long rows).
     """
-    if discount == 1.0:
-        return x.flip(-1).cumsum(-1).flip(-1)
+    if not isinstance(discount, torch.Tensor):
+        if discount == 1.0:
+            return x.flip(-1).cumsum(-1).flip(-1)
+        discount = torch.tensor(discount, dtype=x.dtype, device=x.device)
+        per_row = False
+    else:
+        discount, per_row = discount.to(x.dtype)[:, None, None], True
     steps = x.shape[-1]
     offsets = torch.arange(steps, device=x.device)
     lag = offsets[None, :] - offsets[:, None]  # lag[t, l] = l - t
-    powers = torch.where(
-        lag >= 0,
-        torch.tensor(discount, dtype=x.dtype, device=x.device) ** lag.clamp(min=0).to(x.dtype),
-        torch.zeros((), dtype=x.dtype, device=x.device),
-    )
+    powers = torch.where(lag >= 0, discount ** lag.clamp(min=0).to(x.dtype), torch.zeros((), dtype=x.dtype,
+                                                                                         device=x.device))
+    if per_row:  # powers [B, S, S]
+        return (powers @ x[..., None])[..., 0]
     return x @ powers.T
 
 
@@ -112,8 +135,29 @@ def _check_gae_args(rewards, values, mask, gamma, lam) -> None:
     check_like(values, mask, "values")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"`gamma` must be in [0, 1], got {gamma}")
-    if not 0.0 <= lam <= 1.0:
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != mask.shape[:1]:
+            raise ValueError(f"a per-row `lam` must have shape [B] = {list(mask.shape[:1])}, got {list(lam.shape)}")
+        if not bool(((lam >= 0) & (lam <= 1)).all()):  # NaN fails both comparisons
+            raise ValueError("every per-row `lam` must be in [0, 1]")
+    elif not 0.0 <= lam <= 1.0:
         raise ValueError(f"`lam` must be in [0, 1], got {lam}")
+
+
+def length_adaptive_lam(num_actions: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
+    """VAPO's length-adaptive lambda, one per row: ``lam = 1 - 1 / (alpha * l)`` for a row of ``l``
+    actions (tokens, or macro actions over segments), clamped to [0, 1] (rows shorter than 1 / alpha
+    actions get 0; a row without actions gets 0).
+
+    Args:
+        num_actions: long or float [B]; alpha: > 0 (VAPO: 0.05).
+    Returns:
+        float [B].
+    """
+    if not alpha > 0:
+        raise ValueError(f"`alpha` must be > 0, got {alpha}")
+    scaled = alpha * num_actions.to(torch.float32)
+    return torch.where(scaled > 0, 1.0 - 1.0 / scaled.clamp(min=1e-12), 0.0).clamp(0.0, 1.0)
 
 
 def token_gae(
@@ -121,12 +165,13 @@ def token_gae(
     values: torch.Tensor,
     mask: torch.Tensor,
     gamma: float = 1.0,
-    lam: float = 0.95,
+    lam: float | torch.Tensor = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard token-level GAE.
 
     Args:
         rewards, values: float [B, T]; mask: bool [B, T].
+        lam: a float, or float [B], one lambda per row.
     Returns:
         (advantages, returns): float [B, T], 0 on padding; returns = advantages + values.
     """
@@ -201,7 +246,7 @@ def macro_gae(
     mask: torch.Tensor,
     segment_ids: torch.Tensor,
     gamma: float = 1.0,
-    lam: float = 0.95,
+    lam: float | torch.Tensor = 0.95,
     value_weighting: ValueWeighting = "equal",
     segment_reward: SegmentReward = "sum",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +254,7 @@ def macro_gae(
 
     Args:
         rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
+        lam: a float, or float [B], one lambda per row (over its segments).
         value_weighting: how token values form a segment value (see :func:`segment_weights`).
         segment_reward: "sum" (the paper), "mean" (the released code with `equal`, which shrinks the KL
             penalty by about 1/|tau|) or "weighted" (the released code in general: the token rewards weighted

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from marlhf.advantages import grpo, macro_gae, reinforce, rloo
+from marlhf.advantages import grpo, length_adaptive_lam, macro_gae, reinforce, rloo
+from marlhf.segments import num_segments
 
 __all__ = ["AdvantageBatch", "AdvantageEstimator", "ESTIMATORS", "register_estimator", "get_estimator"]
 
@@ -80,9 +81,21 @@ def get_estimator(name: str) -> AdvantageEstimator:
 
 @register_estimator("gae", needs_critic=True)
 def _gae(batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Macro GAE; the actor's lambda follows `lam_schedule` (constant `lam`, or VAPO's length-adaptive one over
+    each row's macro actions), the critic's targets take `lam_critic` (none: `lam`), as VC-PPO decouples them."""
     o = batch.options
-    return macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, o.gamma, o.lam, o.value_weighting,
-                     o.segment_reward)
+
+    def gae(lam):
+        return macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, o.gamma, lam,
+                         o.value_weighting, o.segment_reward)
+
+    actor_lam = (o.lam if o.lam_schedule == "constant"
+                 else length_adaptive_lam(num_segments(batch.segment_ids), o.lam_alpha))
+    critic_lam = o.lam if o.lam_critic is None else o.lam_critic
+    advantages, returns = gae(actor_lam)
+    if o.lam_schedule != "constant" or critic_lam != o.lam:
+        returns = gae(critic_lam)[1]
+    return advantages, returns
 
 
 def _sequence(estimate: Callable[[torch.Tensor, Any], torch.Tensor]) -> Estimate:

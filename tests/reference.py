@@ -154,3 +154,19 @@ def value_loss_ref(values, old_values, returns, segment_ids, clip, weighting):
             total += 0.5 * loss * len(positions)
             tokens += len(positions)
     return total / max(tokens, 1)
+
+
+def token_gae_schedule_ref(rewards, values, lengths, gamma, next_lams):
+    """Token GAE with a lambda per step: A_t = delta_t + gamma * next_lams[b][t] * A_{t+1}."""
+    batch, width = len(rewards), len(rewards[0])
+    adv = [[0.0] * width for _ in range(batch)]
+    ret = [[0.0] * width for _ in range(batch)]
+    for b in range(batch):
+        last = 0.0
+        for t in reversed(range(lengths[b])):
+            next_value = values[b][t + 1] if t + 1 < lengths[b] else 0.0
+            delta = rewards[b][t] + gamma * next_value - values[b][t]
+            last = delta + gamma * next_lams[b][t] * last
+            adv[b][t] = last
+            ret[b][t] = last + values[b][t]
+    return adv, ret

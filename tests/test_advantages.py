@@ -5,6 +5,7 @@ from marlhf.advantages import (
     discounted_reverse_cumsum,
     grpo,
     kl_penalized_rewards,
+    length_adaptive_lam,
     macro_gae,
     reinforce,
     rloo,
@@ -13,7 +14,7 @@ from marlhf.advantages import (
     whiten,
 )
 from marlhf.segments import fixed_ngram, num_segments, perplexity, randomized_ngram, split_last_token, words
-from tests.reference import macro_gae_ref, random_batch, token_gae_ref
+from tests.reference import macro_gae_ref, random_batch, segments_of_row, token_gae_ref, token_gae_schedule_ref
 
 
 def _ragged(seed, batch=9, width=21):
@@ -75,6 +76,65 @@ def test_macro_gae_with_one_token_segments_is_token_gae(weighting, dtype):
     actual = macro_gae(rewards, values, mask, fixed_ngram(mask, 1), 1.0, 0.95, weighting)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+def _boundary_lams(ids_row: list[int], lam: float, shift: int = 0) -> list[float]:
+    """Per-token lambda of the identity: the step from t to t + 1 is discounted by lam where a segment starts at
+    t + 1, by 1 inside a segment (`shift` moves the boundaries: the wrong schedules the test must reject)."""
+    starts = {positions[0] + shift for positions in segments_of_row(ids_row)}
+    return [lam if t + 1 in starts else 1.0 for t in range(len(ids_row))]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("lam", [0.95, 0.5, 0.0])
+def test_macro_gae_with_first_is_token_gae_with_a_boundary_lambda_schedule(seed, lam):
+    """At gamma 1 with `first`, a segment's TD error telescopes into its tokens' TD errors, so its advantage is
+    token GAE at its first token under lambda 1 inside segments and `lam` at boundaries (advantages module)."""
+    mask, lengths, rewards, values, g = _ragged(seed, batch=12, width=23)
+    compared = 0
+    for name, ids in _segmentations(mask, g):
+        adv, ret = macro_gae(rewards, values, mask, ids, 1.0, lam, "first")
+        for shift in (0, 1, -1):
+            lams = [_boundary_lams(row, lam, shift) for row in ids.tolist()]
+            adv_ref, ret_ref = token_gae_schedule_ref(rewards.tolist(), values.tolist(), lengths, 1.0, lams)
+            firsts = [(b, positions[0]) for b, row in enumerate(ids.tolist()) for positions in segments_of_row(row)]
+            got = torch.stack([adv[b, t] for b, t in firsts] + [ret[b, t] for b, t in firsts])
+            expected = torch.tensor([adv_ref[b][t] for b, t in firsts] + [ret_ref[b][t] for b, t in firsts],
+                                    dtype=got.dtype)
+            if shift == 0:
+                torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=name)
+                compared += len(firsts)
+            elif lam < 1 and any(len(segments_of_row(row)) > 1 for row in ids.tolist()) and name != "fixed1":
+                # boundaries off by one: the identity must not hold (at ngram 1 every step is a boundary)
+                assert not torch.allclose(got, expected, rtol=1e-6, atol=1e-6), (name, shift)
+    assert compared > 100
+
+
+def test_length_adaptive_lam():
+    lam = length_adaptive_lam(torch.tensor([0, 1, 10, 20, 40, 100, 1000]), alpha=0.05)
+    torch.testing.assert_close(lam, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.8, 0.98]))
+    torch.testing.assert_close(length_adaptive_lam(torch.tensor([50.0]), alpha=0.1), torch.tensor([0.8]))
+    with pytest.raises(ValueError, match="alpha"):
+        length_adaptive_lam(torch.tensor([5]), alpha=0.0)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_per_row_lambda_equals_one_call_per_row(gamma):
+    mask, _, rewards, values, g = _ragged(5, batch=10, width=17)
+    lams = torch.rand(10, generator=g, dtype=torch.double)
+    lams[0], lams[1] = 1.0, 0.0
+    ids = randomized_ngram(mask, generator=g)
+    for gae, extra in ((token_gae, ()), (macro_gae, (ids,))):
+        adv, ret = gae(rewards, values, mask, *extra, gamma, lams)
+        for b in range(10):
+            row = slice(b, b + 1)
+            adv_b, ret_b = gae(rewards[row], values[row], mask[row], *(x[row] for x in extra), gamma, float(lams[b]))
+            torch.testing.assert_close(adv[row], adv_b, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(ret[row], ret_b, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="per-row `lam` must have shape"):
+        token_gae(rewards, values, mask, lam=lams[:3])
+    with pytest.raises(ValueError, match="per-row `lam`"):
+        token_gae(rewards, values, mask, lam=torch.full((10,), float("nan")))
 
 
 def test_one_segment_gives_one_advantage_per_row():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlhf.advantages import grpo, macro_gae, reinforce, rloo
+from marlhf.advantages import grpo, length_adaptive_lam, macro_gae, reinforce, rloo
 from marlhf.estimators import ESTIMATORS, AdvantageBatch, get_estimator, register_estimator
 from marlhf.logging_utils import read_metrics
-from marlhf.segments import fixed_ngram
+from marlhf.segments import fixed_ngram, num_segments
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.reference import random_batch
 from tests.trainers.test_ppo import RECORDS, _config, count_e
@@ -37,6 +37,24 @@ def test_builtins_are_the_core_functions():
                                                      if name != "reinforce" else batch)
         assert returns is None
         assert torch.equal(advantages, torch.where(batch.mask, reference[:, None], 0.0)), name
+
+
+@pytest.mark.parametrize("ngram", [1, 3])
+def test_gae_lambda_schedules(ngram):
+    """The actor's advantages take the schedule's lambda, the critic's returns lam_critic (else lam)."""
+    def gae(batch, lam):
+        return macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, 1.0, lam, "first")
+
+    decoupled = _batch(ngram=ngram, lam=0.9, lam_critic=1.0)
+    advantages, returns = get_estimator("gae").fn(decoupled)
+    assert torch.equal(advantages, gae(decoupled, 0.9)[0]) and torch.equal(returns, gae(decoupled, 1.0)[1])
+    assert not torch.equal(returns, gae(decoupled, 0.9)[1])
+
+    adaptive = _batch(ngram=ngram, lam=0.8, lam_schedule="length_adaptive", lam_alpha=0.9)
+    advantages, returns = get_estimator("gae").fn(adaptive)
+    per_row = length_adaptive_lam(num_segments(adaptive.segment_ids), 0.9)  # over macro actions
+    assert len(set(per_row.tolist())) >= 2  # rows of different lengths get different lambdas
+    assert torch.equal(advantages, gae(adaptive, per_row)[0]) and torch.equal(returns, gae(adaptive, 0.8)[1])
 
 
 def test_unknown_estimator_and_too_few_samples_are_refused():

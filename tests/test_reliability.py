@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from marlhf.checkpoint import checkpoint_problem, list_checkpoints, resolve_resume
+from marlhf.checkpoint import _write_manifest, checkpoint_problem, list_checkpoints, resolve_resume
 from marlhf.config import ConfigBase
 from marlhf.logging_utils import MetricsLogger, read_metrics
 from marlhf.modeling import load_causal_lm
@@ -126,6 +126,14 @@ def test_resume_with_a_changed_config_refuses_and_keeps_the_history(sft_run):
     shutil.rmtree(output_dir / "checkpoint-3")
     with pytest.raises(ValueError, match=r"per_device_batch_size: 4 -> 2"):
         train(resume="latest", per_device_batch_size=2)
+    # A checkpoint written before an option existed ran at the option's default.
+    saved = output_dir / "checkpoint-2" / "config.yaml"
+    older = yaml.safe_load(saved.read_text())
+    assert older.pop("max_grad_norm") == 1.0
+    saved.write_text(yaml.safe_dump(older, sort_keys=False))
+    _write_manifest(output_dir / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"max_grad_norm: 1.0 -> 0.5"):
+        train(resume="latest", max_grad_norm=0.5)
     train(resume="latest", max_steps=4)  # a longer run changes nothing that was computed
     train(resume=str(output_dir / "checkpoint-4"), max_steps=5, per_device_batch_size=2, allow_config_change=True)
     assert (output_dir / "config.yaml").read_text() == first

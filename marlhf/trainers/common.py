@@ -30,6 +30,7 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -176,9 +177,13 @@ def _continue_lineage(config: RunConfig, checkpoint: Path, output_dir: Path, acc
     if before is None:
         raise ValueError(f"{checkpoint} holds no config.yaml, so a resume cannot check what changed")
     now = config.to_dict()
-    changed = sorted(name for name in now if name not in RESUMABLE_CHANGES and before.get(name) != now[name])
+    # An option the checkpoint's version did not have ran at its default.
+    defaults = {field.name: list(field.default) if isinstance(field.default, tuple) else field.default
+                for field in dataclasses.fields(config)}
+    before = {name: before.get(name, defaults.get(name)) for name in now}
+    changed = sorted(name for name in now if name not in RESUMABLE_CHANGES and before[name] != now[name])
     if changed and not config.allow_config_change:
-        details = "; ".join(f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in changed)
+        details = "; ".join(f"{name}: {before[name]!r} -> {now[name]!r}" for name in changed)
         raise ValueError(f"resuming {checkpoint} with options that change the run ({details}): keep them, or set "
                          "allow_config_change")
     step = checkpoint_step(checkpoint)

@@ -60,6 +60,7 @@ from marlhf.data.records import require_fields
 from marlhf.engines import HFEngine, engine_class, get_engine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.imports import import_function
+from marlhf.kl_control import AdaptiveKLController
 from marlhf.logging_utils import reduce_metrics
 from marlhf.losses import policy_loss, policy_loss_units, value_loss
 from marlhf.metrics import row_l2, token_repetition
@@ -162,6 +163,23 @@ class PPOConfig(TrainingConfig):
         None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
     gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
+    lam_critic: float | None = option(
+        None, "GAE lambda of the critic's targets, apart from the actor's advantages (VC-PPO's decoupled GAE uses 1); "
+              "over macro actions like lam: the segment values' regression targets (none: lam)", ge=0, le=1)
+    lam_schedule: Literal["constant", "length_adaptive"] = option(
+        "constant", "the actor's GAE lambda: lam for every response (constant), or VAPO's 1 - 1 / (lam_alpha * l) "
+                    "for a response of l macro actions (l tokens at ngram 1; clamped to [0, 1]; the critic's "
+                    "targets keep lam_critic, or lam)")
+    lam_alpha: float = option(0.05, "length_adaptive: alpha (VAPO: 0.05)", gt=0)
+    critic_warmup_steps: int = option(
+        0, "the first N PPO steps train only the critic on their rollouts, the policy frozen (VC-PPO's value "
+           "pretraining; OpenRLHF's freezing_steps, verl's critic_warmup); counted in the step budget", ge=0)
+    kl_target: float | None = option(
+        None, "adapt the KL coefficient after every step towards this KL (objective/kl), starting from kl_coef "
+              "(Ziegler et al. 2019; none: kl_coef stays fixed); logged as objective/kl_coef, kept in checkpoints",
+        gt=0)
+    kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
+                                    "must exceed 0.2 x the responses per step)", ge=1)
     value_weighting: Literal["equal", "unit", "position", "first"] = option(
         "first", "a macro action's value from its token values: the first token's, the value of the state where "
                  "the macro action starts (first; not in the paper, the default since the README's credit-"
@@ -205,7 +223,8 @@ class PPOConfig(TrainingConfig):
         "macro actions": ("termination", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
                           "parsing_language", "last_token_own_segment"),
         "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "num_samples_per_prompt",
-                                   "grpo_normalize_std", "kl_coef", "rm_score_clip", "gamma", "lam",
+                                   "grpo_normalize_std", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
+                                   "gamma", "lam", "lam_critic", "lam_schedule", "lam_alpha", "critic_warmup_steps",
                                    "value_weighting", "segment_reward", "whiten_advantages"),
         "losses": ("clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
                    "value_loss_granularity"),
@@ -250,6 +269,16 @@ class PPOConfig(TrainingConfig):
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
                              f"mini_batch_size ({self.mini_batch_size})")
+        critic_options = {"lam_critic": self.lam_critic is not None, "lam_schedule": self.lam_schedule != "constant",
+                          "critic_warmup_steps": self.critic_warmup_steps > 0}
+        for name in (name for name, is_set in critic_options.items() if is_set):
+            if not self.uses_critic:
+                raise ValueError(f"{name}={getattr(self, name)!r} needs a critic; advantage={self.advantage!r} has "
+                                 "none (use advantage='gae')")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef from its start value, which must be > 0 (got kl_coef=0)")
+        if self.kl_target is not None:
+            AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
 
     @property
     def rollout_size(self) -> int:
@@ -378,6 +407,12 @@ class PPORun:
     plan: BatchPlan
     piece_size: int  # rows per forward pass in the update
     eos_token_id: Any
+    kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient of the current step."""
+        return self.config.kl_coef if self.kl_control is None else self.kl_control.value
 
     def train(self, mode: bool = True) -> None:
         for model, *_ in self.updaters:
@@ -454,10 +489,11 @@ def estimate_advantages(run: PPORun, rollout: Rollout, rewards: torch.Tensor,
 
 
 def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advantages: torch.Tensor,
-               returns: torch.Tensor | None, kept: tuple | None) -> dict[str, list[torch.Tensor]]:
+               returns: torch.Tensor | None, kept: tuple | None, train_policy: bool = True) -> dict[str, list[torch.Tensor]]:
     """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
     step of policy (and critic) per mini-batch. `kept`: the rollout's forwards with gradients, used instead of
-    new ones (one update per step). Returns each loss statistic per piece.
+    new ones (one update per step). `train_policy=False` (critic warm-up) updates the critic alone. Returns each
+    loss statistic per piece.
 
     No device read inside the pieces: the inputs are checked once here and the pieces' sizes come from host
     lengths; each optimizer step reads one number, the finite-update guard's gradient norm (a NaN or inf one
@@ -501,16 +537,19 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                                           [rollout.response_lengths[row] for row in piece_rows])
                     piece_mask = inputs[3]
                     cols = slice(0, piece_mask.shape[1])  # the piece's per-token tensors lose the cut columns too
-                    with accumulation_context(accelerator, policy, is_last_piece):
-                        logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
-                            policy, *inputs, temperature=config.scoring_temperature)
-                        pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
-                                                        advantages[piece, cols], piece_mask, segment_ids[piece, cols],
-                                                        config.clip_range, config.ratio_granularity,
-                                                        config.segment_weighting, config.loss_agg_mode, num_slots)
-                        backward(accelerator, policy, pg_loss * policy_weight, is_last_piece)
-                    stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
-                             "policy/approxkl": pg_stats["approxkl"]}
+                    stats = {}
+                    if train_policy:
+                        with accumulation_context(accelerator, policy, is_last_piece):
+                            logprobs = kept[0][piece, cols] if kept is not None else response_logprobs(
+                                policy, *inputs, temperature=config.scoring_temperature)
+                            pg_loss, pg_stats = policy_loss(logprobs, rollout.logprobs[piece, cols],
+                                                            advantages[piece, cols], piece_mask,
+                                                            segment_ids[piece, cols], config.clip_range,
+                                                            config.ratio_granularity, config.segment_weighting,
+                                                            config.loss_agg_mode, num_slots)
+                            backward(accelerator, policy, pg_loss * policy_weight, is_last_piece)
+                        stats = {"loss/policy": pg_loss.detach(), "policy/clipfrac": pg_stats["clipfrac"],
+                                 "policy/approxkl": pg_stats["approxkl"]}
                     if critic is not None:
                         value_weight = policy_loss_units(mask[piece], None, "tokens", config.loss_agg_mode
                                                          ) * accelerator.num_processes / num_value_units
@@ -525,7 +564,8 @@ def ppo_update(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, advanta
                         stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["vf_clipfrac"]})
                     for name, value in stats.items():
                         update_stats.setdefault(name, []).append(value)
-                for model, optimizer, scheduler, guard in run.updaters:
+                # the policy's updater comes first; in the critic warm-up neither its optimizer nor its scheduler steps
+                for model, optimizer, scheduler, guard in run.updaters[0 if train_policy else 1:]:
                     optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
     return update_stats
 
@@ -542,10 +582,18 @@ def _check_update_inputs(rollout: Rollout, segment_ids: torch.Tensor, advantages
             check_like(x, mask, name)
 
 
-def per_token_rewards(config: PPOConfig, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor:
+def per_token_rewards(rollout: Rollout, scores: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """Stage 2: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0)."""
     ref_logprobs = rollout.ref_logprobs if rollout.ref_logprobs is not None else rollout.logprobs
-    return kl_penalized_rewards(scores, rollout.logprobs, ref_logprobs, rollout.response_mask, config.kl_coef)
+    return kl_penalized_rewards(scores, rollout.logprobs, ref_logprobs, rollout.response_mask, kl_coef)
+
+
+def adapt_kl_coef(run: PPORun, rollout: Rollout) -> None:
+    """After a step under `kl_target`: move the KL coefficient with the step's KL over all processes' responses
+    (one read to the host per step)."""
+    mask = rollout.response_mask
+    row_kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, 0.0).sum(1)
+    run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item())
 
 
 def step_metrics(run: PPORun, rollout: Rollout, segment_ids: torch.Tensor, segmentation_stats: dict[str, float],
@@ -655,13 +703,18 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         models["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
     updaters = [(models[name], optimizers[name], schedulers[name], FiniteUpdates(config.nonfinite_skip_limit))
                 for name in models]
+    kl_control = None
+    if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
+        kl_control = schedulers["kl_coef"] = AdaptiveKLController(
+            config.kl_coef, config.kl_target, config.kl_horizon, config.rollout_size * accelerator.num_processes)
     start_step, logger = start_run(config, accelerator, models, optimizers, schedulers)
     eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
     if eos_token_id is None:
         eos_token_id = tokenizer.eos_token_id
 
     run = PPORun(config, accelerator, tokenizer, policy, critic, ref, reward_model, reward_fn,
-                 get_engine(config.rollout_engine), updaters, prompt_records, prompt_ids, plan, piece_size, eos_token_id)
+                 get_engine(config.rollout_engine), updaters, prompt_records, prompt_ids, plan, piece_size, eos_token_id,
+                 kl_control)
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
@@ -671,16 +724,22 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
         scores = rollout.scores
         if config.rm_score_clip is not None:
             scores = scores.clamp(-config.rm_score_clip, config.rm_score_clip)
-        rewards = per_token_rewards(config, rollout, scores)  # 2.
+        kl_coef = run.kl_coef
+        rewards = per_token_rewards(rollout, scores, kl_coef)  # 2.
         segment_ids, segmentation_stats = macro_actions(config, rollout, tokenizer, accelerator, step)  # 3.
         advantages, returns = estimate_advantages(run, rollout, rewards, segment_ids)  # 4.
-        update_stats = ppo_update(run, rollout, segment_ids, advantages, returns, kept)  # 5.
+        update_stats = ppo_update(run, rollout, segment_ids, advantages, returns, kept,  # 5.
+                                  train_policy=step >= config.critic_warmup_steps)
+        if kl_control is not None:
+            adapt_kl_coef(run, rollout)
         clock["update"] = _clock(device)
 
         done = step + 1  # 6. metrics and checkpoint
         if done % config.logging_steps == 0 or done == plan.total_steps:
             metrics = step_metrics(run, rollout, segment_ids, segmentation_stats, advantages, returns, update_stats,
                                    clock)
+            if kl_control is not None:
+                metrics["objective/kl_coef"] = kl_coef
             logger.log(metrics, done)
             postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
             if "objective/kl" in metrics:

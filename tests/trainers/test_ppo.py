@@ -281,7 +281,18 @@ def test_config_validation():
         PPOConfig(segment_weighting="uniform", ratio_granularity="token")
     with pytest.raises(ValueError, match="segment_weighting"):
         PPOConfig(segment_weighting="uniform", loss_agg_mode="seq-mean-token-mean")
+    for option in (dict(lam_critic=1.0), dict(lam_schedule="length_adaptive"), dict(critic_warmup_steps=2)):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}=.* needs a critic; advantage='rloo'"):
+            PPOConfig(advantage="rloo", num_samples_per_prompt=2, **option)
+    with pytest.raises(ValueError, match="kl_target adapts kl_coef"):
+        PPOConfig(kl_target=6.0, kl_coef=0.0)
+    with pytest.raises(ValueError, match="kl_horizon"):
+        PPOConfig(kl_target=6.0, kl_horizon=1, per_device_batch_size=8)
+    with pytest.raises(ValueError, match="lam_critic must be <= 1"):
+        PPOConfig(lam_critic=1.5)
     defaults = PPOConfig()
+    assert (defaults.lam_critic, defaults.lam_schedule, defaults.critic_warmup_steps, defaults.kl_target) == (
+        None, "constant", 0, None)
     assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
         0.2, 1.0, 0.95, 0.05, 1)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.8, 50, 1.0)
@@ -325,9 +336,44 @@ def test_code_reward_fn_scores_programs_on_their_record_tests():
         code_reward_fn([{"prompt": "add", "input_output": tests}, {"prompt": "add", "input_output": "{}"}])
 
 
-@pytest.mark.parametrize("lora, noise", [(False, "row_generators"), (True, "row_generators"), (False, "counter_hash")],
-                         ids=["full", "lora", "counter_hash"])
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora, noise):
+def test_critic_warmup_trains_the_critic_alone(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    policy, critic = make_tiny_causal_lm(), ScalarHeadModel(make_tiny_causal_lm(seed=5).model)
+    start_policy = {k: v.clone() for k, v in policy.state_dict().items()}
+    start_critic = {k: v.clone() for k, v in critic.state_dict().items()}
+    config = _config(tmp_path, max_steps=2, critic_warmup_steps=2)
+    train_ppo(config, RECORDS, policy=policy, critic=critic, tokenizer=tiny_tokenizer, reward_fn=count_e)
+    assert all(torch.equal(v, start_policy[k]) for k, v in policy.state_dict().items())
+    assert not all(torch.equal(v, start_critic[k]) for k, v in critic.state_dict().items())
+    metrics = read_metrics(tmp_path / "ppo")
+    assert all("loss/value" in m and "loss/policy" not in m for m in metrics)
+
+    train_ppo(_config(tmp_path, output_dir=str(tmp_path / "after"), max_steps=3, critic_warmup_steps=2), RECORDS,
+              policy=policy, tokenizer=tiny_tokenizer, reward_fn=count_e)  # the policy trains from step 3
+    assert ["loss/policy" in m for m in read_metrics(tmp_path / "after")] == [False, False, True]
+    assert not all(torch.equal(v, start_policy[k]) for k, v in policy.state_dict().items())
+
+
+def test_adaptive_kl_moves_the_coefficient_towards_the_target(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    config = _config(tmp_path, max_steps=5, kl_coef=0.1, kl_target=0.5, kl_horizon=10)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    coefs = [m["objective/kl_coef"] for m in metrics]
+    assert coefs[0] == 0.1
+    errors = [max(-0.2, min(0.2, m["objective/kl"] / 0.5 - 1)) for m in metrics]
+    assert errors[0] == -0.2 and max(errors) > 0  # KL 0 at the first step (policy = reference), then above
+    for error, coef, next_coef in zip(errors, coefs, coefs[1:]):
+        assert next_coef == pytest.approx(coef * (1 + error * 4 / 10))
+    train_ppo(_config(tmp_path, output_dir=str(tmp_path / "fixed")), RECORDS, policy=make_tiny_causal_lm(),
+              tokenizer=tiny_tokenizer, reward_fn=count_e)
+    assert "objective/kl_coef" not in read_metrics(tmp_path / "fixed")[0]
+
+
+@pytest.mark.parametrize("lora, noise, extra", [
+    (False, "row_generators", {}), (True, "row_generators", {}), (False, "counter_hash", {}),
+    (False, "row_generators", dict(kl_target=1e-3, kl_horizon=4, critic_warmup_steps=2, lam_critic=1.0))],
+    ids=["full", "lora", "counter_hash", "adaptive_kl_warmup"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora, noise,
+                                                         extra):
     """Loaded from directories as the CLI does: policy/reference from the SFT dir, critic and frozen reward
     model from the reward-model dir. Killed after logging step 2 (before its checkpoint), resumed from
     checkpoint-1: steps 2 and 3 and the final policy must come out as in the uninterrupted run. A LoRA run's
@@ -336,7 +382,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir
     reward_model_dir = tmp_path / "rm"
     ScalarHeadModel(make_tiny_causal_lm(seed=7).model).save_pretrained(reward_model_dir)
     common = dict(model_name_or_path=str(tiny_model_dir), reward_model_name_or_path=str(reward_model_dir),
-                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2, sampling_noise=noise)
+                  max_steps=3, save_steps=1, save_total_limit=1, mini_batch_size=2, sampling_noise=noise, **extra)
     if lora:
         common.update(use_lora=True, lora_r=4, lora_alpha=8.0)
     straight = _config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
@@ -360,6 +406,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir
     after_resume = _metrics_without_timings(tmp_path / "crashed")
     assert [m["step"] for m in after_resume] == [1, 2, 3]
     assert after_resume == _metrics_without_timings(tmp_path / "straight")
+    if "kl_target" in extra:  # the coefficient the killed run had reached came back from the checkpoint
+        assert len({m["objective/kl_coef"] for m in after_resume}) == 3
     resumed_policy = load_file(str(tmp_path / "crashed" / "model.safetensors"))
     straight_policy = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert resumed_policy.keys() == straight_policy.keys()

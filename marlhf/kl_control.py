@@ -1,0 +1,57 @@
+"""Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences").
+
+After each PPO step the coefficient moves towards the one that keeps the policy's KL to the reference at
+`target`:
+
+    e = clip(KL / target - 1, -0.2, 0.2),    kl_coef <- kl_coef * (1 + e * n / horizon)
+
+where KL is the step's mean over responses of the summed per-token KL estimate (`objective/kl`) and n the
+number of responses in the step (all processes). The 0.2 clip bounds a step's change; `horizon` (in responses)
+sets how fast it reacts: the coefficient can change by a factor of about exp(0.2 n steps / horizon) over `steps`
+steps. TRL's `AdaptiveKLController` and OpenRLHF's follow the same rule.
+
+The coefficient is part of a run's state: PPO saves it with the checkpoint (like a learning-rate scheduler)
+so that a resumed run continues with the coefficient the interrupted one had reached.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["AdaptiveKLController"]
+
+MAX_PROPORTIONAL_ERROR = 0.2
+
+
+class AdaptiveKLController:
+    """The KL coefficient, adapted towards a KL target; `value` is the coefficient for the next step."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int, responses_per_step: int) -> None:
+        if not init_kl_coef > 0 or math.isinf(init_kl_coef):
+            raise ValueError(f"an adaptive KL coefficient must start finite and > 0 (kl_coef), got {init_kl_coef}")
+        if not target > 0 or math.isinf(target):
+            raise ValueError(f"`kl_target` must be a finite number > 0, got {target}")
+        if not horizon > MAX_PROPORTIONAL_ERROR * responses_per_step:
+            # else one step below target could make the coefficient 0 or negative
+            raise ValueError(f"`kl_horizon` must be > {MAX_PROPORTIONAL_ERROR} x the responses per step "
+                             f"({responses_per_step}), got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+        self.responses_per_step = int(responses_per_step)
+
+    def update(self, kl: float) -> float:
+        """Move the coefficient after a step whose mean summed KL was `kl`. A NaN KL leaves it as it was (the
+        step's metrics show the NaN). Returns the new value."""
+        if math.isnan(kl):
+            return self.value
+        error = min(max(kl / self.target - 1.0, -MAX_PROPORTIONAL_ERROR), MAX_PROPORTIONAL_ERROR)
+        self.value *= 1.0 + error * self.responses_per_step / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
