@@ -131,12 +131,14 @@ def quick_grid() -> dict[tuple[str, str, str], tuple[int, ...]]:
     return {("task1", "gold_sft", "n1"): (0,), ("task1", "gold_sft", "word+vw_first"): (0,)}
 
 
-def demo_config(task: str, setup: str, quick: bool):
+def demo_config(task: str, setup: str, quick: bool, tasks: dict = TASKS, **extra):
+    """The demo's configuration of a task (from `tasks`) and set-up; `extra`: other DemoConfig fields (a build's
+    task_seed)."""
     from marlhf.demo.config import DemoConfig
 
     # "" cells are the paper's value weighting (`equal`), whatever PPOConfig's default (`first` since this study)
-    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, value_weighting="equal", **TASKS[task],
-                   **SETUPS[setup])
+    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, value_weighting="equal", **tasks[task],
+                   **SETUPS[setup], **extra)
     if quick:  # seconds: the test's smoke grid
         return DemoConfig.quick(**options, pretrain_texts=256, sft_records=64, preference_records=128, ppo_steps=3,
                                 ppo_batch_size=8, eval_prompts=8)
@@ -147,36 +149,34 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def ensure_models(task: str, work: Path, quick: bool) -> dict:
-    """Build the task's tokenizer, SFT and reward model once (WORK/models/<task>); return their hashes and the
-    SFT model's held-out gold reward. The reward model and the SFT model do not depend on the set-up."""
-    models_dir = work / "models" / task
+def ensure_models(models_dir: Path, config, name: str) -> dict:
+    """Build a task's tokenizer, SFT and reward model once into MODELS_DIR (from the demo `config`; the set-up does
+    not change them); return their hashes and the SFT model's held-out gold reward."""
     info_file = models_dir / "models.json"
     if info_file.exists():
         return json.loads(info_file.read_text())
-    (work / "models").mkdir(parents=True, exist_ok=True)
-    with open(work / "models" / f".{task}.lock", "w") as lock:
+    models_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(models_dir.parent / f".{models_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker to need the models builds them; the others wait
         if info_file.exists():
             return json.loads(info_file.read_text())
-        return _build_models(task, models_dir, info_file, quick)
+        return _build_models(models_dir, info_file, config, name)
 
 
-def _build_models(task: str, models_dir: Path, info_file: Path, quick: bool) -> dict:
+def _build_models(models_dir: Path, info_file: Path, config, name: str) -> dict:
     import torch
 
     from marlhf.demo.pipeline import build_models, evaluate_policy
 
     if models_dir.exists():
         shutil.rmtree(models_dir)  # a build cut off midway
-    config = demo_config(task, "gold_sft", quick)
     torch.set_num_threads(1)
     start = time.perf_counter()
     models = build_models(config, models_dir)
     eval_prompts = [r["prompt"] for r in models.task.prompts(config.eval_prompts, seed=2)]
     sft_metrics, _ = evaluate_policy(models.sft, models.sft, models.reward_model, models.tokenizer, models.task,
                                      eval_prompts, seed=0)
-    info = {"task": task, "sft_sha256": _sha256(models_dir / "sft" / "model.safetensors"),
+    info = {"task": name, "sft_sha256": _sha256(models_dir / "sft" / "model.safetensors"),
             "reward_sha256": _sha256(models_dir / "reward" / "model.safetensors"), "sft_held_out": sft_metrics,
             "build_seconds": round(time.perf_counter() - start, 1)}
     info_file.write_text(json.dumps(info, indent=1) + "\n")
@@ -189,48 +189,58 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def run_one(task: str, setup: str, cell: str, seed: int, work: str, results: str, quick: bool) -> str:
     """One PPO run of the grid, in its own process with one torch thread; writes its result file."""
+    work = Path(work)
+    result = execute_run(demo_config(task, setup, quick), work / "models" / task, task, cell_options(cell), seed,
+                         work / "runs" / task / setup / cell / f"seed{seed}", cell)
+    result = {"task": task, "setup": setup, "cell": cell, "seed": seed, "options": result.pop("options"),
+              "task_options": TASKS[task], "setup_options": SETUPS[setup], **result}
+    return str(write_result(result_path(Path(results), task, setup, cell, seed), result))
+
+
+def execute_run(config, models_dir: Path, models_name: str, options: dict, seed: int, run_dir: Path,
+                label: str) -> dict:
+    """One PPO run with the demo's `config` and the PPOConfig `options` on the models of MODELS_DIR (built first
+    if needed), one torch thread; returns its per-step curves, held-out metrics and provenance."""
     import torch
 
     from marlhf.demo.pipeline import GOLD_FILE, load_models, run_method
     from marlhf.logging_utils import METRICS_FILE
 
     torch.set_num_threads(1)
-    work, results = Path(work), Path(results)
-    config = demo_config(task, setup, quick)
-    info = ensure_models(task, work, quick)
-    models = load_models(config, work / "models" / task)
-    run_dir = work / "runs" / task / setup / cell / f"seed{seed}"
+    info = ensure_models(models_dir, config, models_name)
+    models = load_models(config, models_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a run cut off midway starts again
-    options = cell_options(cell)
     rl_prompts = models.task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in models.task.prompts(config.eval_prompts, seed=2)]
     start = time.perf_counter()
-    held_out = run_method(config, models, options, seed, run_dir, rl_prompts, eval_prompts, cell)
+    held_out = run_method(config, models, options, seed, run_dir, rl_prompts, eval_prompts, label)
     by_step = {row["step"]: row for row in _read_jsonl(run_dir / METRICS_FILE)}
     for row in _read_jsonl(run_dir / GOLD_FILE):
         by_step[row["step"]].update(row)
     keys = ("gold_reward", "rm_reward", "objective/kl", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
             "val/advantage_l2", "val/return_l2", "macro/mean_segment_length", "objective/response_length",
-            "loss/value")
+            "loss/value", "objective/kl_coef")
     curves = {key: [by_step[s].get(key) for s in sorted(by_step)] for key in keys}
     result = {
-        "task": task, "setup": setup, "cell": cell, "seed": seed, "options": options,
-        "task_options": TASKS[task], "setup_options": SETUPS[setup],
+        "options": options,
         "hyper_parameters": {k: v for k, v in config.to_dict().items() if k not in ("out", "seeds")},
-        "sft_sha256": info["sft_sha256"], "reward_sha256": info["reward_sha256"],
+        "sft_sha256": info["sft_sha256"], "reward_sha256": info["reward_sha256"], "sft_held_out": info["sft_held_out"],
         "steps": sorted(by_step), "curves": curves, "held_out": held_out,
         "run_seconds": round(time.perf_counter() - start, 1),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "machine": platform.machine(), "torch_threads": torch.get_num_threads()},
     }
-    path = result_path(results, task, setup, cell, seed)
+    shutil.rmtree(run_dir)  # the policy weights are not needed again
+    return result
+
+
+def write_result(path: Path, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, path)  # a result file is whole or absent
-    shutil.rmtree(run_dir)  # the policy weights are not needed again
-    return str(path)
+    return path
 
 
 def result_path(results: Path, task: str, setup: str, cell: str, seed: int) -> Path:

@@ -17,6 +17,16 @@ gold reward = LCS(prompt words, first W response words) / (number of prompt word
 
 the length of the longest common subsequence. Whether a word earns credit depends on which prompt words the
 response has matched before it, so a critic cannot score words one by one.
+
+A third gold reward, `gold="alternation"`, is not a sum of per-word scores either, but needs no copying: the
+response should alternate bright and plain words. Over its first W word slots,
+
+gold reward = (1/W) * sum of: +1 for a bright or plain word whose class differs from the previous word's (the
+first word counts as a change), 0 for a bright or plain word of the previous word's class or used for the third
+time or more, -1 for a dark word or a string that is not a word, 0 for a missing word; in [-1, 1].
+
+So "bright plain bright plain" scores 4/W and "bright bright plain plain", the same words, 2/W: a word's credit
+depends on its neighbour. 20 bright words, the optimum of `word_scores`, score 1/W here.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ CLASSES = ("bright", "plain", "dark")
 CLASS_SCORES = {"bright": 1.0, "plain": 0.0, "dark": -1.0}
 INVALID_SCORE = -1.0
 SEPARATOR = "|"  # ends every prompt; a word of its own for the tokenizer
-MAX_BRIGHT_USES = 2  # a bright word scores only on its first uses
+MAX_BRIGHT_USES = 2  # a bright word scores only on its first uses (alternation: a bright or plain word)
+GOLD_REWARDS = ("word_scores", "ordered_copy", "alternation")
+ALTERNATING = ("bright", "plain")  # alternation: the classes whose changes pay
 
 
 @dataclass(frozen=True)
@@ -47,8 +59,9 @@ class TaskConfig:
     typo_rate: float = 0.05  # share of invalid words in SFT demonstrations
     preference_temperature: float = 0.1  # Bradley-Terry noise of the gold labeller
     seed: int = 1234
-    gold: Literal["word_scores", "ordered_copy"] = "word_scores"  # the gold reward (module docstring)
+    gold: Literal["word_scores", "ordered_copy", "alternation"] = "word_scores"  # the gold reward (module docstring)
     copy_rate: float = 0.35  # ordered_copy: share of the prompt's words an SFT demonstration repeats
+    alternation_rate: float = 0.1  # alternation: chance an SFT demonstration's next word switches bright <-> plain
 
 
 class SyntheticTask:
@@ -58,8 +71,8 @@ class SyntheticTask:
         self.config = config or TaskConfig()
         if self.config.words_per_class < MAX_BRIGHT_USES or self.config.num_words < 1:
             raise ValueError("config: words_per_class must be >= 2 and num_words >= 1")
-        if self.config.gold not in ("word_scores", "ordered_copy"):
-            raise ValueError(f"config: gold must be 'word_scores' or 'ordered_copy', got {self.config.gold!r}")
+        if self.config.gold not in GOLD_REWARDS:
+            raise ValueError(f"config: gold must be one of {GOLD_REWARDS}, got {self.config.gold!r}")
         rng = random.Random(self.config.seed)
         num_words = self.config.words_per_class * len(CLASSES)
         words: set[str] = set()
@@ -88,11 +101,29 @@ class SyntheticTask:
                 scores.append(CLASS_SCORES[word_class])
         return scores
 
+    def alternation_scores(self, response: str) -> list[float]:
+        """alternation: score of each of the first `num_words` words of `response`, given the word before it."""
+        scores = []
+        uses: Counter[str] = Counter()
+        previous = None  # class of the previous word (None: none yet, or not a word)
+        for word in response.split()[: self.config.num_words]:
+            word_class = self.word_class.get(word)
+            if word_class not in ALTERNATING:
+                scores.append(INVALID_SCORE)
+            else:
+                uses[word] += 1
+                scores.append(1.0 if word_class != previous and uses[word] <= MAX_BRIGHT_USES else 0.0)
+            previous = word_class
+        return scores
+
     def gold_reward(self, response: str, prompt: str | None = None) -> float:
         """word_scores: in [-1, 1], 1 means `num_words` bright words, none used more than twice.
-        ordered_copy: in [0, 1], 1 means the prompt's words all appear in order (needs `prompt`)."""
+        ordered_copy: in [0, 1], 1 means the prompt's words all appear in order (needs `prompt`).
+        alternation: in [-1, 1], 1 means `num_words` words alternating bright and plain, none used more than twice."""
         if self.config.gold == "word_scores":
             return sum(self.word_scores(response)) / self.config.num_words
+        if self.config.gold == "alternation":
+            return sum(self.alternation_scores(response)) / self.config.num_words
         if prompt is None:
             raise ValueError("the ordered_copy gold reward needs the prompt")
         target = prompt_words(prompt)
@@ -119,6 +150,24 @@ class SyntheticTask:
             else:
                 word_class = rng.choices(CLASSES, weights=[class_probs[c] for c in CLASSES])[0]
                 out.append(rng.choice(self.words_by_class[word_class]))
+        return out
+
+    def _alternating_words(self, rng: random.Random, n: int, class_probs: dict[str, float], typo_rate: float,
+                           alternation_rate: float) -> list[str]:
+        """alternation: as `_words`, but after a bright (plain) word the next word is plain (bright) with chance
+        `alternation_rate`, else of a class drawn from `class_probs`."""
+        out, previous = [], None
+        for _ in range(n):
+            if rng.random() < typo_rate:
+                out.append(self._invalid_word(rng))
+                previous = None
+                continue
+            if previous in ALTERNATING and rng.random() < alternation_rate:
+                word_class = ALTERNATING[1 - ALTERNATING.index(previous)]
+            else:
+                word_class = rng.choices(CLASSES, weights=[class_probs[c] for c in CLASSES])[0]
+            out.append(rng.choice(self.words_by_class[word_class]))
+            previous = word_class
         return out
 
     def _prompt(self, rng: random.Random) -> tuple[str, dict[str, float]]:
@@ -160,8 +209,8 @@ class SyntheticTask:
         return words
 
     def sft_records(self, n: int, seed: int) -> list[dict]:
-        """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1 (word_scores) or 0.4
-        (ordered_copy)."""
+        """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1 (word_scores), 0.4
+        (ordered_copy) or 0.15 (alternation)."""
         rng = random.Random(f"sft-{self.config.seed}-{seed}")
         records = []
         for _ in range(n):
@@ -169,6 +218,9 @@ class SyntheticTask:
             if self.config.gold == "ordered_copy":
                 words = self._copy_response(rng, prompt, self.config.num_words, self.config.copy_rate,
                                             self.config.typo_rate)
+            elif self.config.gold == "alternation":
+                words = self._alternating_words(rng, self.config.num_words, self._demonstration_mix(mix),
+                                                self.config.typo_rate, self.config.alternation_rate)
             else:
                 words = self._words(rng, self.config.num_words, self._demonstration_mix(mix), self.config.typo_rate)
             records.append({"prompt": prompt, "response": " ".join(words)})
@@ -179,6 +231,8 @@ class SyntheticTask:
 
         Each response draws its own class mix, length and vocabulary, so the pairs cover what a policy may
         drift to: the whole gold range, short responses and repeated words (which the gold reward does not pay).
+        ordered_copy shuffles some responses, alternation groups some by class: the same words in an order that
+        pays less, so the reward model has to learn the order.
         """
         rng = random.Random(f"preferences-{self.config.seed}-{seed}")
         temperature = self.config.preference_temperature
@@ -192,6 +246,14 @@ class SyntheticTask:
                     words = self._copy_response(rng, prompt, length, rng.random(), rng.uniform(0.0, 0.15))
                     if rng.random() < 0.3:  # the right words in a shuffled order: order is what is paid
                         rng.shuffle(words)
+                elif self.config.gold == "alternation":
+                    draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
+                    mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
+                    length = rng.randint(self.config.num_words // 2, self.config.num_words)
+                    words = self._alternating_words(rng, length, mix, rng.uniform(0.0, 0.15), rng.random())
+                    if rng.random() < 0.3:  # the same words grouped by class: as good as before under word_scores
+                        rank = {c: rng.random() for c in CLASSES}
+                        words.sort(key=lambda w: rank.get(self.word_class.get(w), 1.0))
                 else:
                     draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
                     mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}

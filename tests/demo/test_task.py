@@ -181,3 +181,84 @@ def test_ordered_copy_gold_reward_and_data():
     assert SyntheticTask().gold_rewards(["p"], ["x"]) == [SyntheticTask().gold_reward("x")]
     with pytest.raises(ValueError, match="gold"):
         SyntheticTask(TaskConfig(gold="lcs"))
+
+
+@pytest.fixture(scope="module")
+def alternation():
+    return SyntheticTask(TaskConfig(gold="alternation"))
+
+
+def alternation_reference(task: SyntheticTask, response: str) -> float:
+    """Pair by pair, as the README states the rule."""
+    total, uses, previous = 0.0, {}, None
+    for word in response.split()[: task.config.num_words]:
+        word_class = task.word_class.get(word)
+        if word_class in ("bright", "plain"):
+            uses[word] = uses.get(word, 0) + 1
+            total += 1.0 if word_class != previous and uses[word] <= 2 else 0.0
+        else:
+            total -= 1.0
+        previous = word_class
+    return total / task.config.num_words
+
+
+def test_alternation_gold_reward_hand_computed(alternation):
+    task = alternation
+    bright, plain, dark = (task.words_by_class[c] for c in CLASSES)
+    w = task.config.num_words
+    b, p = bright[0], plain[0]
+    # The same words in two orders: a word's credit depends on its neighbour, so no per-word score sums to both.
+    assert task.gold_reward(f"{b} {p} {bright[1]} {plain[1]}") == 4 / w
+    assert task.gold_reward(f"{b} {bright[1]} {p} {plain[1]}") == 2 / w
+    assert task.gold_reward(" ".join(bright[i % 16] for i in range(w))) == 1 / w  # word_scores' optimum: 1/W here
+    assert SyntheticTask().gold_reward(" ".join(bright[i % 16] for i in range(w))) == 1.0
+    optimum = " ".join((bright if i % 2 == 0 else plain)[i // 2 % 16] for i in range(w))
+    assert task.gold_reward(optimum) == 1.0
+    assert task.gold_reward(" ".join([b, p] * 3)) == 4 / w  # third uses of a word score 0
+    assert task.gold_reward(f"{b} {dark[0]} {b}") == (1 - 1 + 1) / w  # after a dark word: a change of class
+    assert task.gold_reward(f"{p} zzzz {p}") == (1 - 1 + 1) / w  # a string that is not a word: -1, no class
+    assert task.gold_reward("") == 0.0  # missing words score 0
+    assert task.gold_reward(b) == 1 / w  # fewer than W words
+    assert task.gold_reward(" ".join([dark[0]] * w + [b, p])) == -1.0  # words beyond W are not read
+    assert task.gold_rewards(["p"], [b]) == [1 / w]  # the prompt is not read
+
+
+def test_alternation_gold_matches_reference_on_generated_text(alternation):
+    records = alternation.sft_records(200, seed=3)
+    pairs = alternation.preference_records(200, seed=3)
+    for text in [r["response"] for r in records] + [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]:
+        for variant in (text, " ".join(text.split()[:7]), text + " " + text):
+            assert alternation.gold_reward(variant) == pytest.approx(alternation_reference(alternation, variant))
+
+
+def test_alternation_demonstrations_and_preferences():
+    task = SyntheticTask(TaskConfig(gold="alternation"))
+    records = task.sft_records(400, seed=0)
+    assert records == SyntheticTask(TaskConfig(gold="alternation")).sft_records(400, seed=0)
+    assert records != task.sft_records(400, seed=1)
+    assert all(set(r) == {"prompt", "response"} and r["prompt"].endswith(" " + SEPARATOR) for r in records)
+    assert all(len(r["response"].split()) == task.config.num_words for r in records)
+    gold = [task.gold_reward(r["response"]) for r in records]
+    assert 0.05 < sum(gold) / len(gold) < 0.25 and max(gold) < 1.0  # imperfect demonstrations
+    words = [w for r in records for w in r["response"].split()]
+    assert sum(w not in task.word_class for w in words) / len(words) == pytest.approx(task.config.typo_rate, abs=0.015)
+    # alternation_rate makes demonstrations closer to the rule
+    closer = SyntheticTask(TaskConfig(gold="alternation", alternation_rate=0.5)).sft_records(400, seed=0)
+    assert sum(task.gold_reward(r["response"]) for r in closer) / len(closer) > sum(gold) / len(gold) + 0.1
+
+    pairs = task.preference_records(1000, seed=0)
+    assert pairs == task.preference_records(1000, seed=0)
+    assert all(set(p) == {"prompt", "chosen", "rejected"} and p["chosen"] != p["rejected"] for p in pairs)
+    agree = [task.gold_reward(p["chosen"]) > task.gold_reward(p["rejected"]) for p in pairs]
+    assert 0.8 < sum(agree) / len(agree) < 1.0  # the same Bradley-Terry noise as the other tasks
+    additive = SyntheticTask()  # word_scores on the same lexicon
+    agree_additive = [additive.gold_reward(p["chosen"]) > additive.gold_reward(p["rejected"]) for p in pairs]
+    assert sum(agree_additive) < sum(agree) - 50  # the labels are not word_scores': order matters
+    # Responses good under word_scores and bad here are there (mostly bright, or grouped by class).
+    assert any(additive.gold_reward(r) > 0.4 and task.gold_reward(r) < 0.2 for p in pairs
+               for r in (p["chosen"], p["rejected"]))
+    spread = [task.gold_reward(p["chosen"]) for p in pairs]
+    assert min(spread) < -0.3 and max(spread) > 0.6
+    # The other tasks' data do not change with the new option.
+    assert SyntheticTask().sft_records(3, seed=0) == SyntheticTask(TaskConfig(alternation_rate=0.7)).sft_records(
+        3, seed=0)

@@ -1,0 +1,559 @@
+"""Study II: do macro actions add anything beyond a longer GAE horizon? MA-PPO against tuned token-level PPO.
+
+    python benchmarks/credit_assignment_lambda.py                  # tuning, then confirmation and the fixed-KL
+                                                                   # secondary (resumes where it stopped)
+    python benchmarks/credit_assignment_lambda.py --max_runs 20    # part of it, in several sittings
+    python benchmarks/credit_assignment_lambda.py --summarize      # tables and figures from the result files only
+    python benchmarks/credit_assignment_lambda.py --quick --work W --results R   # the tiny version (the test's)
+
+The design is pre-registered: it is fixed in this file (`DESIGN`) and in the README ("Study II") and was
+committed before the first run. In short:
+
+- Tasks (`marlhf/demo/README.md`): task1 (20-word responses, mean word score), task1_long (60 words), task3
+  (alternation: a word's credit depends on its neighbour's class, not a sum of per-word scores). Set-ups as in the
+  first study (benchmarks/credit_assignment.py): gold_sft (PPO optimises 4 x the gold reward, critic from the SFT
+  model) and rm_rm (the reward model, critic from it: the paper's). The demo's hyper-parameters otherwise.
+- Builds: a build is the demo's task_seed (lexicon, data sets, model initialisation, hence the base, SFT and
+  reward models): build b uses task_seed 1234 + b. Tuning runs on build 0; confirmation on builds 1 and 2.
+- Arm families and their free settings (`FAMILIES`): token-level PPO (lam 0.95 / 0.99 / 1); VC-PPO (lam_critic 1,
+  actor lam 0.95 / 0.99, critic warm-up of 5 steps off / on); VAPO (length-adaptive actor lambda, alpha 0.02 /
+  0.05 / 0.1, lam_critic 1); MA-PPO n = 5 with `first` (lam 0.9 / 0.95 / 1). Without a free setting
+  (`FIXED_ARMS`): MA-PPO n = 5 with the paper's `equal`, the whole response as one macro action, RLOO.
+- KL: every tuning and confirmation run adapts its KL coefficient (start 0.05) towards one target per task and
+  set-up (`KL_TARGETS`, horizon 160 responses). The fixed-KL secondary reruns the best token-level arm and MA-PPO
+  with the demo's fixed kl_coef 0.05.
+- Tuning (`choose_settings`): each family's setting with the highest tuning score, the mean over the four
+  task1/task1_long x set-up groups of (final held-out gold - the SFT model's held-out gold), each group's value
+  the mean over 2 tuning seeds; ties go to the setting listed first. The best token-level arm (`TOK`) is the
+  token-level family (ppo, vcppo, vapo) whose chosen setting scores highest. Tuning runs never enter the
+  confirmation statistics.
+- Confirmation: every arm (the four families at their chosen settings, and the fixed arms) on all three tasks
+  and both set-ups, 4 seeds on each of builds 1 and 2 (8 per cell, seeds 10-13).
+- Primary metric: final held-out gold (128 held-out prompts after the last step). Statistics: paired differences
+  against TOK per (build, seed), t-interval (95 %), two-sided paired t-test, Holm-corrected over the 6 task x
+  set-up groups within each arm; builds reported apart.
+- Decision rule (`decide`): see `DECISION_RULE`, written before any run.
+
+Each finished run writes RESULTS/<phase>/<task>/<setup>/<arm>/build<b>-seed<s>.json and is never run again;
+models and run directories live in WORK (not committed). Two runs at a time (`--workers`), one torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import multiprocessing
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import credit_assignment as study_one  # noqa: E402  (its run machinery, set-ups and curve helpers)
+
+SETUPS = study_one.SETUPS
+TASKS = {"task1": study_one.TASKS["task1"], "task1_long": study_one.TASKS["task1_long"],
+         "task3": {"num_words": 20, "gold": "alternation"}}
+FIRST_TASK_SEED = 1234  # the demo's default task_seed: build 0
+# One KL target per task and set-up: the mean final KL of token-level PPO (n1) and n = 5 + `first` in the first
+# study (benchmarks/results/credit_assignment/summary.md), rounded; task3 (20 words, new) takes task1's.
+KL_TARGETS = {("task1", "gold_sft"): 9.0, ("task1", "rm_rm"): 11.0, ("task1_long", "gold_sft"): 4.0,
+              ("task1_long", "rm_rm"): 10.0, ("task3", "gold_sft"): 9.0, ("task3", "rm_rm"): 11.0}
+KL_HORIZON = 160  # responses: at 32 a step the coefficient moves by at most 4 % a step
+WARMUP_STEPS = 5  # VC-PPO's critic warm-up, counted in the 50-step budget
+
+TOKEN = {"termination": "fixed", "ngram": 1}
+MACRO = {"termination": "fixed", "ngram": 5}
+FAMILIES = {  # family -> (token-level?, {setting: PPOConfig options}); the first setting listed wins ties
+    "ppo": (True, {"lam0.95": {**TOKEN, "lam": 0.95}, "lam0.99": {**TOKEN, "lam": 0.99},
+                   "lam1": {**TOKEN, "lam": 1.0}}),
+    "vcppo": (True, {f"lam{lam}{'+warmup' if warmup else ''}": {
+        **TOKEN, "lam": lam, "lam_critic": 1.0, **({"critic_warmup_steps": WARMUP_STEPS} if warmup else {})}
+        for lam in (0.95, 0.99) for warmup in (False, True)}),
+    "vapo": (True, {f"alpha{alpha}": {**TOKEN, "lam_schedule": "length_adaptive", "lam_alpha": alpha,
+                                      "lam_critic": 1.0} for alpha in (0.02, 0.05, 0.1)}),
+    "ma_first": (False, {f"lam{lam:g}": {**MACRO, "value_weighting": "first", "lam": lam} for lam in (0.9, 0.95, 1.0)}),
+}
+FIXED_ARMS = {
+    "ma_equal": {**MACRO, "value_weighting": "equal", "lam": 0.95},
+    "whole": {"termination": "fixed", "ngram": None, "value_weighting": "equal", "lam": 0.95},
+    "rloo": {**TOKEN, "advantage": "rloo", "num_samples_per_prompt": 4},  # the demo's rloo (critic_free_options)
+}
+MA = "ma_first"  # the macro-action arm the decision is about
+SECONDARY = ("tok_fixed_kl", "ma_first_fixed_kl")  # TOK and MA at their chosen settings, fixed kl_coef
+
+DECISION_RULE = """\
+Primary comparison, per task x set-up group g (6 groups): d = final held-out gold of MA-PPO (n = 5, `first`, its
+tuned lam) minus that of TOK, paired by (build, seed), 8 pairs; two-sided paired t-test, Holm-corrected over the
+6 groups. MA is ahead in g if its adjusted p < 0.05 and mean d > 0; TOK is ahead if adjusted p < 0.05 and mean
+d < 0; otherwise no difference is detected.
+1. TOK ahead in no group: PPOConfig and `marlhf demo` keep macro actions (ngram 5, value_weighting first), with
+   lam set to MA-PPO's tuned lam.
+2. TOK ahead in at least one group and MA ahead in none: PPOConfig's and the demo's defaults become TOK's
+   setting (ngram 1 with its lam, lam_critic, lam_schedule, critic warm-up); macro actions stay an option.
+3. Both ahead somewhere: defaults as in 1; the README states in which groups each is ahead.
+In every case the demo's `ppo` method takes TOK's setting and `ma_ppo` MA-PPO's, and its report states their
+comparison; the README claims for macro actions exactly the groups where MA is ahead, says "no difference
+detected" for the others and names the groups where TOK is ahead. If MA is ahead in no group, the README says
+plainly that on these tasks macro actions add nothing beyond a tuned lambda. The fixed-KL secondary (steps to
+80 % of TOK's gain, gold at TOK's final KL) and the other arms' differences are reported, never decided on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+    tasks: tuple[str, ...]
+    tuning_tasks: tuple[str, ...]
+    setups: tuple[str, ...]
+    tuning_builds: tuple[int, ...]
+    tuning_seeds: tuple[int, ...]
+    confirmation_builds: tuple[int, ...]
+    confirmation_seeds: tuple[int, ...]  # on each confirmation build
+    families: dict
+    fixed_arms: dict
+    quick: bool = False
+
+
+DESIGN = Design(tasks=tuple(TASKS), tuning_tasks=("task1", "task1_long"), setups=tuple(SETUPS), tuning_builds=(0,),
+                tuning_seeds=(0, 1), confirmation_builds=(1, 2), confirmation_seeds=(10, 11, 12, 13),
+                families=FAMILIES, fixed_arms=FIXED_ARMS)
+# Seconds per run: two settings of two families, one fixed arm, two confirmation seeds on one build.
+QUICK_DESIGN = Design(tasks=("task1",), tuning_tasks=("task1",), setups=("gold_sft",), tuning_builds=(0,),
+                      tuning_seeds=(0,), confirmation_builds=(1,), confirmation_seeds=(10, 11),
+                      families={"ppo": (True, {k: FAMILIES["ppo"][1][k] for k in ("lam0.95", "lam1")}),
+                                "ma_first": (False, {k: FAMILIES["ma_first"][1][k] for k in ("lam0.95", "lam1")})},
+                      fixed_arms={"rloo": FIXED_ARMS["rloo"]}, quick=True)
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+def tuning_jobs(design: Design) -> list[tuple]:
+    """(phase, task, setup, arm, build, seed) of every tuning run; arm = family+setting."""
+    return [("tuning", task, setup, f"{family}+{setting}", build, seed)
+            for seed in design.tuning_seeds for build in design.tuning_builds for task in design.tuning_tasks
+            for setup in design.setups for family, (_, settings) in design.families.items() for setting in settings]
+
+
+def confirmation_jobs(design: Design) -> list[tuple]:
+    """The primary runs, then the fixed-KL secondary; seed by seed, so a grid stopped midway has every cell on some
+    seeds rather than some cells on all."""
+    arms = [*design.families, *design.fixed_arms]
+    jobs = []
+    for phase, phase_arms in (("confirmation", arms), ("secondary", SECONDARY)):
+        jobs += [(phase, task, setup, arm, build, seed) for seed in design.confirmation_seeds
+                 for build in design.confirmation_builds for task in design.tasks for setup in design.setups
+                 for arm in phase_arms]
+    return jobs
+
+
+def result_path(results: Path, job: tuple) -> Path:
+    phase, task, setup, arm, build, seed = job
+    return results / phase / task / setup / arm / f"build{build}-seed{seed}.json"
+
+
+def job_options(job: tuple, design: Design, choices: dict | None) -> dict:
+    """PPOConfig options of a run: its arm's, plus the adaptive KL controller unless it is the fixed-KL secondary."""
+    phase, task, setup, arm, _, _ = job
+    if phase == "tuning":
+        family, setting = arm.split("+", 1)
+        options = dict(design.families[family][1][setting])
+    elif arm in design.fixed_arms:
+        options = dict(design.fixed_arms[arm])
+    else:
+        family = {"tok_fixed_kl": choices["tok"], "ma_first_fixed_kl": MA}.get(arm, arm)
+        options = dict(design.families[family][1][choices["settings"][family]])
+    if phase != "secondary":
+        options.update(kl_target=KL_TARGETS[(task, setup)], kl_horizon=KL_HORIZON)  # from the demo's kl_coef 0.05
+    return options
+
+
+def run_job(job: tuple, options: dict, work: str, results: str, quick: bool) -> str:
+    """One run, in its own process with one torch thread; writes its result file."""
+    phase, task, setup, arm, build, seed = job
+    work = Path(work)
+    config = study_one.demo_config(task, setup, quick, tasks=TASKS, task_seed=FIRST_TASK_SEED + build)
+    result = study_one.execute_run(config, work / "models" / task / f"build{build}", f"{task}/build{build}", options,
+                                   seed, work / "runs" / Path(*map(str, job)), arm)
+    result = {"phase": phase, "task": task, "setup": setup, "arm": arm, "build": build, "seed": seed,
+              "task_options": TASKS[task], "setup_options": SETUPS[setup], **result}
+    return str(study_one.write_result(result_path(Path(results), job), result))
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * fraction
+
+
+def t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function."""
+    tail = 0.5 * _incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Inverse of `t_cdf` (bisection to 1e-12)."""
+    low, high = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return 0.5 * (low + high)
+
+
+def paired_t(differences: np.ndarray) -> dict:
+    """Mean, 95 % t-interval and two-sided p-value of paired differences (nan with fewer than 2 pairs)."""
+    n = len(differences)
+    mean = float(differences.mean()) if n else math.nan
+    if n < 2:
+        return {"n": n, "mean": mean, "ci": (math.nan, math.nan), "p": math.nan}
+    se = float(differences.std(ddof=1)) / math.sqrt(n)
+    half = t_quantile(0.975, n - 1) * se
+    p = 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1)) if se > 0 else (0.0 if mean != 0 else 1.0)
+    return {"n": n, "mean": mean, "ci": (mean - half, mean + half), "p": p}
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-adjusted p-values, in the input order (nan stays nan and is not counted)."""
+    indexed = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    adjusted, running = [math.nan] * len(p_values), 0.0
+    for rank, (p, i) in enumerate(indexed):
+        running = max(running, min(1.0, (len(indexed) - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def load_results(results: Path) -> dict[tuple, dict]:
+    """{(phase, task, setup, arm, build, seed): result} of every result file."""
+    out = {}
+    for path in sorted(results.glob("*/*/*/*/build*-seed*.json")):
+        r = json.loads(path.read_text())
+        out[(r["phase"], r["task"], r["setup"], r["arm"], r["build"], r["seed"])] = r
+    return out
+
+
+def _gain(result: dict) -> float:
+    return result["held_out"]["gold_reward"] - result["sft_held_out"]["gold_reward"]
+
+
+def choose_settings(design: Design, results: dict[tuple, dict]) -> dict | None:
+    """The pre-registered tuning rule, from the tuning result files: {"settings": {family: setting}, "tok": family,
+    "scores": {arm: score}}; None until every tuning run has a result."""
+    jobs = tuning_jobs(design)
+    if any(job not in results for job in jobs):
+        return None
+    scores = {}
+    for family, (_, settings) in design.families.items():
+        for setting in settings:
+            arm = f"{family}+{setting}"
+            groups = [[_gain(results[j]) for j in jobs if j[3] == arm and (j[1], j[2]) == group]
+                      for group in sorted({(j[1], j[2]) for j in jobs})]
+            scores[arm] = float(np.mean([np.mean(g) for g in groups]))
+    chosen = {}
+    for family, (_, settings) in design.families.items():
+        best = max(settings, key=lambda s: (scores[f"{family}+{s}"], -list(settings).index(s)))
+        chosen[family] = best
+    token_families = [f for f, (token_level, _) in design.families.items() if token_level]
+    tok = max(token_families, key=lambda f: (scores[f"{f}+{chosen[f]}"], -token_families.index(f)))
+    return {"settings": chosen, "tok": tok, "scores": scores}
+
+
+def compare(design: Design, results: dict[tuple, dict], choices: dict) -> dict:
+    """Per arm and group: final held-out gold (mean, t-interval, per build), final KL, and the paired difference
+    against TOK with Holm's correction over the groups; the decision."""
+    arms = [*design.families, *design.fixed_arms]
+    groups = [(task, setup) for task in design.tasks for setup in design.setups]
+    pairs = [(b, s) for b in design.confirmation_builds for s in design.confirmation_seeds]
+    table: dict = {"groups": {}, "arms": arms, "tok": choices["tok"], "settings": choices["settings"]}
+    for task, setup in groups:
+        runs = {arm: {(b, s): results.get(("confirmation", task, setup, arm, b, s)) for b, s in pairs} for arm in arms}
+        sft = {b: next((r["sft_held_out"]["gold_reward"] for (bb, _), r in runs[arms[0]].items() if r and bb == b),
+                       math.nan) for b in design.confirmation_builds}
+        entries = {}
+        for arm in arms:
+            have = {k: r for k, r in runs[arm].items() if r is not None}
+            gold = np.array([r["held_out"]["gold_reward"] for r in have.values()])
+            common = [k for k in pairs if runs[arm][k] is not None and runs[choices["tok"]][k] is not None]
+            diffs = np.array([runs[arm][k]["held_out"]["gold_reward"] - runs[choices["tok"]][k]["held_out"]["gold_reward"]
+                              for k in common])
+            entries[arm] = {
+                "n": len(have), "gold": paired_t(gold) if len(gold) else {"mean": math.nan, "ci": (math.nan,) * 2},
+                "gold_by_build": {b: float(np.mean([r["held_out"]["gold_reward"] for (bb, _), r in have.items()
+                                                    if bb == b])) if any(bb == b for bb, _ in have) else math.nan
+                                  for b in design.confirmation_builds},
+                "final_kl": float(np.mean([r["curves"]["objective/kl"][-1] for r in have.values()])) if have
+                else math.nan,
+                "vs_tok": paired_t(diffs),
+                "vs_tok_by_build": {b: float(np.mean([d for d, (bb, _) in zip(diffs, common) if bb == b]))
+                                    if any(bb == b for bb, _ in common) else math.nan
+                                    for b in design.confirmation_builds}}
+        table["groups"][f"{task}/{setup}"] = {"sft_gold_by_build": sft, "arms": entries}
+    for arm in arms:
+        names = list(table["groups"])
+        adjusted = holm([table["groups"][g]["arms"][arm]["vs_tok"]["p"] if arm != choices["tok"] else math.nan
+                         for g in names])
+        for name, p in zip(names, adjusted):
+            entry = table["groups"][name]["arms"][arm]
+            entry["vs_tok"]["p_holm"] = p
+            mean = entry["vs_tok"]["mean"]
+            entry["verdict"] = ("-" if arm == choices["tok"] or math.isnan(p) else
+                                "ahead" if p < 0.05 and mean > 0 else "behind" if p < 0.05 and mean < 0 else
+                                "no difference detected")
+    table["decision"] = decide(design, table, choices)
+    return table
+
+
+def decide(design: Design, table: dict, choices: dict) -> dict:
+    """`DECISION_RULE` applied to the comparison table: which defaults, and which groups MA / TOK lead."""
+    verdicts = {g: entry["arms"][MA]["verdict"] for g, entry in table["groups"].items()}
+    complete = all(entry["arms"][MA]["vs_tok"]["n"] == len(design.confirmation_builds) * len(design.confirmation_seeds)
+                   for entry in table["groups"].values())
+    ma_ahead = [g for g, v in verdicts.items() if v == "ahead"]
+    tok_ahead = [g for g, v in verdicts.items() if v == "behind"]
+    if not tok_ahead:
+        case, defaults = 1, {"family": MA, "setting": choices["settings"][MA]}
+    elif not ma_ahead:
+        case, defaults = 2, {"family": choices["tok"], "setting": choices["settings"][choices["tok"]]}
+    else:
+        case, defaults = 3, {"family": MA, "setting": choices["settings"][MA]}
+    family = defaults["family"]
+    defaults["options"] = design.families[family][1][defaults["setting"]]
+    return {"complete": complete, "case": case, "defaults": defaults, "ma_ahead": ma_ahead, "tok_ahead": tok_ahead,
+            "no_difference": [g for g in verdicts if g not in ma_ahead and g not in tok_ahead]}
+
+
+def secondary(design: Design, results: dict[tuple, dict]) -> dict:
+    """Fixed kl_coef: final gold, steps to 80 % of TOK's gain over the first step's gold (seed-mean curves) and gold
+    at TOK's final KL, per group (descriptive)."""
+    out = {}
+    for task in design.tasks:
+        for setup in design.setups:
+            rs = {arm: [r for k, r in results.items() if k[:4] == ("secondary", task, setup, arm)] for arm in SECONDARY}
+            if not all(rs.values()):
+                continue
+            gold = {arm: np.array([r["curves"]["gold_reward"] for r in v], dtype=float) for arm, v in rs.items()}
+            kl = {arm: np.array([r["curves"]["objective/kl"] for r in v], dtype=float) for arm, v in rs.items()}
+            smooth = {arm: study_one._smooth(g, study_one.SMOOTHING).mean(0) for arm, g in gold.items()}
+            smooth_kl = {arm: study_one._smooth(k, study_one.SMOOTHING).mean(0) for arm, k in kl.items()}
+            start = float(np.mean([g[:, 0].mean() for g in gold.values()]))
+            target = start + 0.8 * (smooth["tok_fixed_kl"][-1] - start)
+            out[f"{task}/{setup}"] = {arm: {
+                "n": len(rs[arm]), "final_gold": float(np.mean([r["held_out"]["gold_reward"] for r in rs[arm]])),
+                "final_kl": float(smooth_kl[arm][-1]),
+                "steps_to_80": study_one._first_reaching(smooth[arm], target) if target > start else math.nan,
+                "gold_at_tok_kl": study_one._gold_at_kl(smooth_kl[arm], smooth[arm], float(smooth_kl["tok_fixed_kl"][-1]))}
+                for arm in SECONDARY}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _f(x: float, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(stats: dict, digits: int = 3) -> str:
+    low, high = stats["ci"]
+    return f"{_f(stats['mean'], digits)}" + ("" if math.isnan(low) else f" [{_f(low, digits)}, {_f(high, digits)}]")
+
+
+def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], choices: dict | None,
+                 table: dict | None, second: dict) -> None:
+    total = len(tuning_jobs(design)) + len(confirmation_jobs(design))
+    hours = sum(r["run_seconds"] for r in results.values()) / 3600
+    lines = ["# Study II: macro actions against a tuned token-level baseline", "",
+             "Generated by `python benchmarks/credit_assignment_lambda.py --summarize` from the result files; do not "
+             "edit. Design: the script's docstring and the README's Study II.", "",
+             f"Runs with a result: {len(results)} of {total} ({hours:.1f} h of run time).", "",
+             "## Tuning (build 0, adaptive KL)", "",
+             "Score: mean over the groups of (final held-out gold - SFT's held-out gold), each the mean over the tuning "
+             "seeds. Chosen: highest score per family (ties: the first listed).", ""]
+    tuning = [j for j in tuning_jobs(design)]
+    groups = sorted({(j[1], j[2]) for j in tuning}, key=lambda g: (design.tasks.index(g[0]), g[1]))
+    lines += ["| family+setting | " + " | ".join(f"{t}/{s} gold (KL)" for t, s in groups) + " | score | chosen |",
+              "|---|" + "---|" * (len(groups) + 2)]
+    for family, (_, settings) in design.families.items():
+        for setting in settings:
+            arm = f"{family}+{setting}"
+            cells = []
+            for group in groups:
+                rs = [results[j] for j in tuning if j[3] == arm and (j[1], j[2]) == group and j in results]
+                cells.append(f"{_f(np.mean([r['held_out']['gold_reward'] for r in rs]))} "
+                             f"({_f(np.mean([r['curves']['objective/kl'][-1] for r in rs]), 1)}, {len(rs)} seeds)"
+                             if rs else "-")
+            score = choices["scores"][arm] if choices else math.nan
+            chosen = "yes" if choices and choices["settings"][family] == setting else ""
+            lines.append(f"| {arm} | " + " | ".join(cells) + f" | {_f(score)} | {chosen} |")
+    if choices:
+        lines += ["", f"Best token-level arm (TOK): **{choices['tok']}+{choices['settings'][choices['tok']]}**.", ""]
+    else:
+        lines += ["", "Tuning incomplete: no setting is chosen yet.", ""]
+    if table:
+        lines += ["## Confirmation (builds " + ", ".join(map(str, design.confirmation_builds)) + ", adaptive KL)", "",
+                  "Final held-out gold: mean [95 % t-interval] over (build, seed); difference vs TOK paired by (build, "
+                  "seed), 95 % t-interval, p two-sided, Holm over the groups within each arm.", ""]
+        for group, entry in table["groups"].items():
+            sft = ", ".join(f"build {b}: {_f(v)}" for b, v in entry["sft_gold_by_build"].items())
+            lines += [f"### {group} (KL target {KL_TARGETS[tuple(group.split('/'))]:g}; SFT gold {sft})", "",
+                      "| arm | runs | final gold | by build | final KL | vs TOK | by build | p (Holm) | verdict |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for arm, e in entry["arms"].items():
+                setting = table["settings"].get(arm, "")
+                by_build = ", ".join(_f(v) for v in e["gold_by_build"].values())
+                diff_build = ", ".join(_f(v) for v in e["vs_tok_by_build"].values())
+                lines.append(f"| {arm}{'+' + setting if setting else ''} | {e['n']} | {_ci(e['gold'])} | {by_build} "
+                             f"| {_f(e['final_kl'], 1)} | {_ci(e['vs_tok'])} | {diff_build} "
+                             f"| {_f(e['vs_tok']['p'])} ({_f(e['vs_tok'].get('p_holm', math.nan))}) | {e['verdict']} |")
+            lines.append("")
+        d = table["decision"]
+        lines += ["## Pre-registered decision", "", DECISION_RULE, "",
+                  f"{'Complete.' if d['complete'] else '**Not complete: runs are missing; nothing is decided yet.**'} "
+                  f"MA ahead in: {', '.join(d['ma_ahead']) or 'none'}; TOK ahead in: {', '.join(d['tok_ahead']) or 'none'}"
+                  f"; no difference detected in: {', '.join(d['no_difference']) or 'none'}. Case {d['case']}: defaults "
+                  f"{d['defaults']['family']}+{d['defaults']['setting']} ({d['defaults']['options']}).", ""]
+    if second:
+        lines += ["## Secondary: fixed kl_coef 0.05 (descriptive)", "",
+                  "| group | arm | runs | final gold | final KL | steps to 80 % of TOK's gain | gold at TOK's final KL |",
+                  "|---|---|---|---|---|---|---|"]
+        for group, arms in second.items():
+            for arm, e in arms.items():
+                lines.append(f"| {group} | {arm} | {e['n']} | {_f(e['final_gold'])} | {_f(e['final_kl'], 1)} "
+                             f"| {_f(e['steps_to_80'], 0)} | {_f(e['gold_at_tok_kl'])} |")
+        lines.append("")
+    (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    (results_dir / "summary.json").write_text(json.dumps({"choices": choices, "confirmation": table,
+                                                          "secondary": second, "runs": len(results)}, indent=1) + "\n")
+
+
+def plot(design: Design, results_dir: Path, table: dict) -> Path:
+    """The README's figure: per group, each arm's paired difference in final held-out gold against TOK (95 %
+    t-interval), and the gold curves of TOK and MA-PPO."""
+    from marlhf.evaluation.plots import pyplot
+
+    plt = pyplot()
+    groups = list(table["groups"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.8), squeeze=False, sharex=True,
+                             layout="constrained")
+    for ax, group in zip(axes[0], groups):
+        arms = [a for a in table["arms"] if a != table["tok"]]
+        for y, arm in enumerate(arms):
+            e = table["groups"][group]["arms"][arm]["vs_tok"]
+            low, high = e["ci"]
+            color = {"ahead": "tab:green", "behind": "tab:red"}.get(table["groups"][group]["arms"][arm]["verdict"],
+                                                                  "tab:gray")
+            ax.errorbar([e["mean"]], [y], xerr=[[e["mean"] - low], [high - e["mean"]]] if not math.isnan(low) else None,
+                        fmt="o", color=color)
+        ax.axvline(0.0, color="black", lw=0.8)
+        ax.set_yticks(range(len(arms)), arms if ax is axes[0][0] else [""] * len(arms))
+        ax.set_title(group, fontsize=9)
+        ax.set_xlabel(f"final gold minus {table['tok']} (95 % t)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Study II: paired difference in final held-out gold against the best-tuned token-level arm "
+                 "(green/red: Holm-adjusted p < 0.05)", fontsize=10)
+    path = results_dir / "paired_differences.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def summarize(design: Design, results_dir: Path) -> dict:
+    results = load_results(results_dir)
+    choices = choose_settings(design, results)
+    table = compare(design, results, choices) if choices else None
+    second = secondary(design, results) if choices else {}
+    write_report(design, results_dir, results, choices, table, second)
+    if table and any(e["arms"][MA]["vs_tok"]["n"] >= 2 for e in table["groups"].values()):
+        plot(design, results_dir, table)
+    return {"choices": choices, "table": table, "secondary": second}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _run(jobs: list[tuple], design: Design, choices: dict | None, work: Path, results: Path, workers: int) -> int:
+    from tqdm.auto import tqdm
+
+    failed = 0
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(run_job, job, job_options(job, design, choices), str(work), str(results), design.quick):
+                   job for job in jobs}
+        for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="study II runs"):
+            job = futures[future]
+            try:
+                tqdm.write(f"done {'/'.join(map(str, job))}: {future.result()}")
+            except Exception as error:  # one failed run must not stop the grid; it is rerun next time
+                failed += 1
+                tqdm.write(f"FAILED {'/'.join(map(str, job))}: {type(error).__name__}: {error}")
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="bench_credit_assignment_lambda", help="models and run directories")
+    parser.add_argument("--results", default=str(Path(__file__).parent / "results" / "credit_assignment_lambda"),
+                        help="one JSON per finished run, summary.md, summary.json, choices.json, figures")
+    parser.add_argument("--workers", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument("--max_runs", type=int, default=None, help="stop after starting this many new runs")
+    parser.add_argument("--summarize", action="store_true", help="only write the tables and figures")
+    parser.add_argument("--quick", action="store_true", help="the tiny design with tiny sizes (the test's)")
+    arguments = parser.parse_args(argv)
+    if arguments.workers < 1:
+        parser.error("--workers must be >= 1")
+    design = QUICK_DESIGN if arguments.quick else DESIGN
+    work, results = Path(arguments.work), Path(arguments.results)
+    results.mkdir(parents=True, exist_ok=True)
+    budget = math.inf if arguments.max_runs is None else arguments.max_runs
+    failed = 0
+    for phase in ("tuning", "confirmation"):
+        done = load_results(results)
+        choices = choose_settings(design, done)
+        if phase == "confirmation":
+            if choices is None:
+                break  # tuning incomplete
+            _record_choices(results, choices)
+        jobs = tuning_jobs(design) if phase == "tuning" else confirmation_jobs(design)
+        todo = [j for j in jobs if j not in done]
+        print(f"study II {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run", flush=True)
+        todo = todo[: int(min(budget, len(todo)))]
+        if arguments.summarize or not todo:
+            continue
+        budget -= len(todo)
+        failed += _run(todo, design, choices, work, results, arguments.workers)
+    summarize(design, results)
+    print(f"wrote {results / 'summary.md'}" + (f"; {failed} runs failed (they run again next time)" if failed else ""))
+    return 1 if failed else 0
+
+
+def _record_choices(results: Path, choices: dict) -> None:
+    """choices.json: the tuning's outcome, written once; the confirmation runs' options come from it."""
+    path = results / "choices.json"
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        if {k: recorded[k] for k in ("settings", "tok")} != {k: choices[k] for k in ("settings", "tok")}:
+            raise SystemExit(f"{path} disagrees with the tuning results: {recorded} vs {choices}")
+        return
+    path.write_text(json.dumps(choices, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
