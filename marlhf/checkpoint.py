@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from marlhf.errors import MarlhfError
 from marlhf.modeling import ScalarHeadModel
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -164,9 +165,12 @@ def resolve_resume(resume: str | None, output_dir: str | Path, report=print) -> 
     if resume is None:
         return None
     if resume == "latest":
-        path = latest_checkpoint(output_dir, report)
+        skipped: list[str] = []
+        path = latest_checkpoint(output_dir, lambda message: (skipped.append(message), report(message)))
         if path is None:
-            raise ValueError(f"resume='latest' but {output_dir} holds no complete checkpoint-<step> directory")
+            reasons = f" ({'; '.join(skipped)})" if skipped else ""
+            raise MarlhfError(f"resume='latest' but {output_dir} holds no complete checkpoint-<step> directory"
+                              f"{reasons}")
         return path
     path = Path(resume)
     problem = checkpoint_problem(path)

@@ -19,6 +19,7 @@ import sys
 import warnings
 
 from marlhf.demo.command import DEMO
+from marlhf.errors import did_you_mean, one_line
 from marlhf.evaluation.commands import TOOLS
 
 TOOLS = {**TOOLS, "demo": DEMO}  # the file-based tools and the embedded demo
@@ -38,18 +39,37 @@ COMMANDS = {
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The top-level parser; only `command`'s subparser gets its options (importing its trainer)."""
-    parser = argparse.ArgumentParser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).")
+    """The top-level parser; only `command`'s subparser gets its options (importing its trainer). Flags are
+    never abbreviated (`--learning_rat` is an unknown flag, not `--learning_rate`); `parser.commands` maps each
+    command to its subparser."""
+    parser = argparse.ArgumentParser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).",
+                                     allow_abbrev=False)
     parser.add_argument("--verbose", action="store_true",
                         help="also show the libraries' progress bars, info messages and warnings (any position)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = {}
     for name, (module_name, config_name, _, description) in COMMANDS.items():
-        subparser = subparsers.add_parser(name, help=description, description=description)
+        subparser = parser.commands[name] = subparsers.add_parser(name, help=description, description=description,
+                                                                  allow_abbrev=False)
         if name == command:
             _config_class(parser, module_name, config_name).add_arguments(subparser)
     for name, tool in TOOLS.items():
-        tool.add_arguments(subparsers.add_parser(name, help=tool.description, description=tool.description))
+        subparser = parser.commands[name] = subparsers.add_parser(name, help=tool.description,
+                                                                  description=tool.description, allow_abbrev=False)
+        tool.add_arguments(subparser)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, with a "did you mean" for each unknown flag from the command's own flags."""
+    arguments, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subparser = parser.commands[arguments.command]
+        known = [flag for action in subparser._actions for flag in action.option_strings]
+        flags = [word for word in unknown if word.startswith("-")] or unknown
+        parser.exit(2, f"marlhf: error: {arguments.command}: unrecognized arguments: " + ", ".join(
+            f"{flag}{did_you_mean(flag.split('=')[0], known)}" for flag in flags) + "\n")
+    return arguments
 
 
 def _config_class(parser: argparse.ArgumentParser, module_name: str, config_name: str):
@@ -88,17 +108,29 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. Expected failures (marlhf.errors: bad input, paths, data, resume, missing files) print one
+    line, `marlhf: error: ...`, and return 2; `--verbose` shows their traceback instead."""
     argv = sys.argv[1:] if argv is None else argv
     verbose = "--verbose" in argv
     argv = [argument for argument in argv if argument != "--verbose"]
     quiet_libraries(verbose)
+    try:
+        return _run(argv)
+    except (ValueError, OSError) as error:  # MarlhfError is a ValueError
+        if verbose:
+            raise
+        print(f"marlhf: error: {one_line(error)} (--verbose shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else None
     if command == "ppo":
         from marlhf.trainers.ppo_config import import_named_plugins
 
         import_named_plugins(argv)
     parser = build_parser(command)
-    arguments = parser.parse_args(argv)
+    arguments = _parse(parser, argv)
     if arguments.command in TOOLS:
         return TOOLS[arguments.command].run(arguments)
     module_name, config_name, train_name, _ = COMMANDS[arguments.command]
@@ -106,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_class.from_arguments(arguments)
     except ValueError as error:
-        parser.error(f"{arguments.command}: {error}")
+        parser.exit(2, f"marlhf: error: {arguments.command}: {one_line(error)}\n")
+    from marlhf.modeling import check_model_path
+
+    for name, value in config.to_dict().items():  # a missing model fails before any data is read
+        if name.endswith("name_or_path") and isinstance(value, str):
+            check_model_path(value)
     getattr(importlib.import_module(module_name), train_name)(config)
     return 0

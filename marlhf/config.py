@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import yaml
 
+from marlhf.errors import did_you_mean
 from marlhf.logging_utils import check_report_to
 
 _NONE_WORDS = ("none", "null")
@@ -203,7 +204,8 @@ class ConfigBase:
         values = cls.expand_values(dict(values))
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid options: {cls.field_names()}")
+            hints = "; ".join(f"{name!r}{did_you_mean(name, cls.field_names())}" for name in unknown)
+            raise ValueError(f"unknown {cls.__name__} option(s): {hints} (`--help` lists them)")
         return cls(**values)
 
     @classmethod

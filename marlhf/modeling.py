@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import copy
 import math
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from marlhf.config import LLAMA_ATTENTION, TrainingConfig
+from marlhf.errors import MarlhfError
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -55,11 +58,37 @@ def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 
 def check_model_path(name_or_path: str | Path) -> None:
     """A local path that does not exist is an error saying so (a Hub id has one '/' and no leading '.', '/'
-    or '~'; from_pretrained would call the path a malformed repo id)."""
+    or '~'; from_pretrained would call the path a malformed repo id). A Hub id that is not in the local cache
+    must be downloadable: offline (HF_HUB_OFFLINE) or with the Hub unreachable it fails within seconds, naming
+    the id and the cache, instead of after the download's retries."""
     name = str(name_or_path)
     looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or isinstance(name_or_path, Path)
-    if looks_local and not Path(name).expanduser().exists():
-        raise ValueError(f"model path {name!r} does not exist")
+    if Path(name).expanduser().exists():
+        return
+    if looks_local:
+        raise MarlhfError(f"model path {name!r} does not exist")
+    _check_hub_id_reachable(name)
+
+
+HUB_PROBE_SECONDS = 3.0
+
+
+def _check_hub_id_reachable(repo_id: str) -> None:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(repo_id, file), str) for file in ("config.json", "tokenizer_config.json")):
+        return  # in the cache: from_pretrained loads it without the network when offline
+    where = f"{repo_id!r} is neither a local directory nor in the Hugging Face cache ({constants.HF_HUB_CACHE}; HF_HOME)"
+    if constants.HF_HUB_OFFLINE:
+        raise MarlhfError(f"model {where}, and HF_HUB_OFFLINE is set: download it where there is a network, point "
+                          "HF_HOME at a cache that holds it, or pass a local directory")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as error:
+        raise MarlhfError(f"model {where}, and the Hub ({constants.ENDPOINT}) is unreachable ({error}): download it "
+                          "where there is a network, point HF_HOME at a cache that holds it, pass a local directory, "
+                          "or set HF_HUB_OFFLINE=1 to work from the cache") from None
 
 
 def load_tokenizer(name_or_path: str, padding_side: str = "right"):

@@ -26,21 +26,15 @@ plug-in does not declare is an error that names the plug-in and the option.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from marlhf.config import coerce_option
+from marlhf.errors import did_you_mean
 from marlhf.imports import import_function
 
-__all__ = ["Plugin", "Registry", "did_you_mean"]
-
-
-def did_you_mean(word: str, choices) -> str:
-    """' (did you mean X?)' for the closest of `choices`, or ''."""
-    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+__all__ = ["Plugin", "Registry"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from marlhf import cli
 from marlhf.logging_utils import read_metrics
-from tests.hub_cache import offline_env, put_in_datasets_cache, put_in_hub_cache
+from tests.hub_cache import UNREACHABLE_HUB, offline_env, put_in_datasets_cache, put_in_hub_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,3 +151,75 @@ def test_hub_dataset_id_loads_offline_from_the_datasets_cache(tmp_path, tiny_mod
         env=offline_env(hf_home), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path / "sft")] == [1]
+
+
+def _fails_in_one_line(tmp_path, *arguments, env=None) -> str:
+    """Run `marlhf ARGUMENTS` in a child; it must exit 2 with one line on stderr and no traceback. Returns it."""
+    child = subprocess.run([sys.executable, "-m", "marlhf", *arguments], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env=env or {**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in child.stderr.splitlines() if line.strip()]
+    assert child.returncode == 2, child.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("marlhf: error: ") and "Traceback" not in child.stderr, lines
+    return lines[0]
+
+
+def test_expected_failures_are_one_line_errors_with_exit_2(tmp_path, tiny_model_dir, tiny_records):
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    short = ["--dataset", str(sft), "--max_steps", "1", "--per_device_batch_size", "2", "--max_prompt_length", "32",
+             "--max_length", "64", "--save_steps", "1"]
+    assert "model path" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tmp_path / "nothing"),
+                                              *short)
+    assert "does not exist" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tiny_model_dir),
+                                                  *short[:0], "--dataset", "missing.jsonl")
+    no_response = tmp_path / "bad.jsonl"
+    no_response.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    assert "'response'" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tiny_model_dir),
+                                              "--dataset", str(no_response))
+    run = ["sft", "--model_name_or_path", str(tiny_model_dir), "--output_dir", "out", *short]
+    assert subprocess.run([sys.executable, "-m", "marlhf", *run], cwd=tmp_path, capture_output=True).returncode == 0
+    assert "already holds an earlier run" in _fails_in_one_line(tmp_path, *run)
+    for checkpoint in (tmp_path / "out").glob("checkpoint-*"):
+        (checkpoint / "trainer_state.json").write_text("")  # damaged
+    line = _fails_in_one_line(tmp_path, *run, "--resume", "latest")
+    assert "no complete checkpoint" in line and "skipping" in line and "checkpoint-1" in line
+    (tmp_path / "empty").mkdir()
+    assert "metrics.jsonl" in _fails_in_one_line(tmp_path, "plot", "empty", "--out", "plots")
+    assert "did you mean '--learning_rate'" in _fails_in_one_line(tmp_path, "sft", "--learnig_rate", "1e-5")
+    assert "--learning_rat " in _fails_in_one_line(tmp_path, "sft", "--learning_rat", "1e-5") + " "  # no prefixes
+    (tmp_path / "typo.yaml").write_text("learnig_rate: 0.1\n")
+    assert "did you mean 'learning_rate'" in _fails_in_one_line(tmp_path, "sft", "--config", "typo.yaml")
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_a_hub_id_without_network_fails_fast_in_one_line(tmp_path, tiny_records, offline):
+    """Offline, or online with the Hub unreachable (HF_ENDPOINT at a closed local port): seconds, not the download's
+    retries, and the line names the id and where the cache is."""
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    env = {**offline_env(tmp_path / "hf_home"), "HF_HUB_OFFLINE": offline}
+    line = _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", "not-a-user/not-a-model", "--dataset",
+                              "sft.jsonl", env=env)
+    assert "'not-a-user/not-a-model'" in line and "HF_HOME" in line
+    assert ("HF_HUB_OFFLINE is set" if offline else "unreachable") in line
+
+
+def test_the_hub_check_takes_seconds_not_the_downloads_retries(monkeypatch, tmp_path):
+    """The check itself, in this process (a child's start-up time depends on the machine's load)."""
+    import huggingface_hub.constants as hub
+
+    from marlhf.errors import MarlhfError
+    from marlhf.modeling import check_model_path
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "ENDPOINT", UNREACHABLE_HUB)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    started = time.perf_counter()
+    with pytest.raises(MarlhfError, match="unreachable"):
+        check_model_path("not-a-user/not-a-model")
+    assert time.perf_counter() - started < 15
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    child = subprocess.run([sys.executable, "-m", "marlhf", "--verbose", "plot", "nowhere", "--out", "p"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert child.returncode != 0 and "Traceback" in child.stderr

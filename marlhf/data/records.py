@@ -75,6 +75,11 @@ def check_stage_records(records: list[dict[str, Any]], stage: str, source: str) 
                 )
 
 
+def prompt_records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompts given as strings become {"prompt": ...} records; records stay as they are."""
+    return [{"prompt": p} if isinstance(p, str) else p for p in prompts]
+
+
 def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], stage: str) -> None:
     """Records handed to a trainer: at least one, each with string `fields` (which may be empty, unlike a
     dataset's rows: an empty response is a valid SFT target)."""

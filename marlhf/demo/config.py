@@ -63,6 +63,8 @@ class DemoConfig(ConfigBase):
         1, "torch CPU threads while the demo runs (none: leave torch's setting); with other processes on a 2-core "
            "machine one thread pre-trained 3x faster than two", ge=1)
     curve_smoothing: int = option(5, "moving-average window (steps) of the gold curves and of steps_to_parity", ge=1)
+    smoke_test: bool = option(False, "set by --quick: the run checks that the pipeline works; its report says its "
+                                     "figures are not results")
 
     def validate(self) -> None:
         super().validate()
@@ -83,7 +85,7 @@ class DemoConfig(ConfigBase):
     def quick(cls, **overrides: Any) -> DemoConfig:
         """A shortened run (under a minute on 2 cores) for tests and a first look."""
         values = dict(seeds=(0,), pretrain_texts=2048, sft_records=512, preference_records=1024, ppo_steps=12,
-                      ppo_batch_size=16, ppo_learning_rate=1e-3, eval_prompts=16, curve_smoothing=2)
+                      ppo_batch_size=16, ppo_learning_rate=1e-3, eval_prompts=16, curve_smoothing=2, smoke_test=True)
         return cls(**{**values, **overrides})
 
 

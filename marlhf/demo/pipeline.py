@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from marlhf.demo.config import GROUP_METHODS, SAMPLES_PER_PROMPT, DemoConfig, parse_termination
 from marlhf.demo.pretrain import pretrain, tiny_llama
-from marlhf.demo.report import load_method_runs, plot_curves, results_table, summarize, write_report
+from marlhf.demo.report import (SMOKE_TEST_NOTE, comparison_sentences, load_method_runs, plot_curves, results_table,
+                                 summarize, write_report)
 from marlhf.demo.task import SyntheticTask, TaskConfig
 from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.evaluation.evaluate import reward_model_scores, sampled_batches
@@ -270,15 +271,19 @@ def _run_demo(config: DemoConfig) -> dict:
     summary["sft"] = sft_metrics
     summary["stage_seconds"] = stage_seconds
     summary["value_weighting"] = config.value_weighting  # MA-PPO's segment values: not the paper's by default
+    summary["smoke_test"] = config.smoke_test
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold
     if "dpo" in finals:
         held_out_gold["dpo"] = summary["methods"]["dpo"]["gold_reward_final"]
-    plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, held_out_gold=held_out_gold)
+    plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, held_out_gold=held_out_gold,
+                parity_gold=summary["parity_target_gold_reward"])
     write_report(summary, out / "report.md", "curves.png",
                  examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in finals}},
                  task=task)
-    tqdm.write("\n".join(["", *results_table(summary), ""]))
+    tqdm.write("\n".join(["", *results_table(summary), "", *comparison_sentences(summary), ""]))
+    if config.smoke_test:
+        tqdm.write(f"[demo] {SMOKE_TEST_NOTE}")
     tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
     return summary
 

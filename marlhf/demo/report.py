@@ -14,10 +14,27 @@ from pathlib import Path
 from marlhf.demo.config import SAMPLES_PER_PROMPT, BaselineMethod
 from marlhf.demo.task import SyntheticTask
 from marlhf.evaluation.plots import RunMetrics, group_curves, pyplot
+from marlhf.evaluation.stats import paired_t
 from marlhf.logging_utils import METRICS_FILE
 
 BASELINE = "ppo"
 FINAL_KEYS = ("gold_reward", "rm_reward", "kl")
+SMOKE_TEST_NOTE = ("smoke test (--quick): a few steps on one seed to check that the pipeline runs; its figures are "
+                   "not results (run without --quick for those)")
+
+
+def describe_method(method: str, value_weighting: str) -> str:
+    """What a demo method is, spelled out (`ma_ppo_fixed3` -> 'MA-PPO, n = 3, value weighting first')."""
+    if method == BASELINE:
+        return "token-level PPO (n = 1)"
+    if method.startswith("ma_ppo"):
+        rule = method.removeprefix("ma_ppo").removeprefix("_") or "fixed5"
+        segments = {"fixed_inf": "the whole response as one macro action", "word": "one macro action per word",
+                    "randomized": "randomized n-grams", "perplexity": "perplexity-based segments"}.get(
+            rule, f"n = {rule.removeprefix('fixed')}" if rule.startswith("fixed") else f"termination {rule}")
+        return f"MA-PPO ({segments}, value weighting {value_weighting})"
+    return {"rloo": "RLOO (no critic)", "grpo": "GRPO (no critic)", "reinforce": "REINFORCE (no critic)",
+            "dpo": "DPO (no rollouts)"}.get(method, method)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -84,23 +101,31 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
 
 
 def plot_curves(runs: dict[str, list[RunMetrics]], path: str | Path, smoothing: int,
-                held_out_gold: dict[str, float] | None = None) -> None:
-    """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band;
-    `held_out_gold` ({name: gold reward on held-out prompts}, e.g. SFT, DPO) as dashed horizontal lines."""
+                held_out_gold: dict[str, float] | None = None, parity_gold: float | None = None) -> None:
+    """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band over seeds;
+    `held_out_gold` ({name: gold reward on held-out prompts}, e.g. SFT, DPO) as dashed horizontal lines;
+    `parity_gold` (PPO's final training gold, what steps to parity are counted to) as a dotted line."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    titles = {"gold_reward": "gold reward", "rm_reward": "reward-model score"}
-    for ax, (key, title) in zip(axes, titles.items()):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    titles = {"gold_reward": ("gold reward", "gold reward (the task's true objective, -1 to 1)"),
+              "rm_reward": ("reward-model score", "reward-model score (what PPO optimises)")}
+    for ax, (key, (title, ylabel)) in zip(axes, titles.items()):
         for method, method_runs in runs.items():
             curve = group_curves(method_runs, key, smoothing)[method]
-            (line,) = ax.plot(curve.steps, curve.mean, label=f"{method} ({curve.num_runs} seeds)")
+            seeds = f"{curve.num_runs} seed{'s' if curve.num_runs > 1 else ''}"
+            (line,) = ax.plot(curve.steps, curve.mean, label=f"{method} ({seeds})")
             ax.fill_between(curve.steps, curve.mean - curve.std, curve.mean + curve.std, color=line.get_color(),
                             alpha=0.2)
         if key == "gold_reward":
             for (name, gold), color in zip((held_out_gold or {}).items(), ("gray", "black", "brown", "olive")):
                 ax.axhline(gold, color=color, linestyle="--", linewidth=1, label=f"{name} (held-out)")
-        ax.set_title(f"{title} of the rollouts ({smoothing}-step moving average)", fontsize=10)
+            if parity_gold is not None:
+                ax.axhline(parity_gold, color="tab:blue", linestyle=":", linewidth=1,
+                           label="PPO's final (parity target)")
+        ax.set_title(f"{title} of the training rollouts\nseed mean ({smoothing}-step moving average); band: "
+                     "+-1 std over seeds", fontsize=9)
         ax.set_xlabel("PPO step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
@@ -136,11 +161,49 @@ def results_table(summary: dict) -> list[str]:
     return lines
 
 
+def comparison_sentences(summary: dict) -> list[str]:
+    """One plain sentence per method against token-level PPO: steps to PPO's final training gold, and final
+    held-out gold (paired difference over seeds with its 95 % t-interval) and KL."""
+    methods, seeds = summary["methods"], summary["seeds"]
+    ppo = methods[BASELINE]
+    weighting = summary.get("value_weighting", "first")
+    lines = []
+    for method, entry in methods.items():
+        if method == BASELINE:
+            continue
+        name = f"{method}, {describe_method(method, weighting)}"
+        if entry["steps_to_parity"] is None:
+            speed = "no training rollouts" if entry["train_gold_reward_final"] is None else (
+                f"did not reach PPO's final training gold ({summary['parity_target_gold_reward']:.3f}) in "
+                "the run")
+        else:
+            speed = (f"reached PPO's final training gold ({summary['parity_target_gold_reward']:.3f}) at step "
+                     f"{entry['steps_to_parity']} against PPO's {ppo['steps_to_parity']} "
+                     f"({entry['speedup_vs_ppo']:.2f}x)")
+        diffs = [entry["per_seed"][str(s)]["gold_reward"] - ppo["per_seed"][str(s)]["gold_reward"] for s in seeds]
+        stats = paired_t(diffs)
+        interval = ("one seed, no interval" if len(seeds) < 2 else
+                    f"95 % t-interval [{stats['ci'][0]:+.3f}, {stats['ci'][1]:+.3f}] over {len(seeds)} seeds")
+        lines.append(f"- {name}: {speed}; held-out gold {entry['gold_reward_final']:.3f} against PPO's "
+                     f"{ppo['gold_reward_final']:.3f} (difference {stats['mean']:+.3f}, {interval}), at KL "
+                     f"{entry['kl_final']:.1f} against {ppo['kl_final']:.1f}.")
+    return lines
+
+
 def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict[str, dict],
                  task: SyntheticTask) -> None:
-    """report.md: what was run, the plot, one table row per method, one marked-up sample per model."""
+    """report.md: what was run and what happened (one sentence per comparison), the plot, one table row per
+    method, one marked-up sample per model."""
     lines = [
         "# marlhf demo: token-level PPO against MA-PPO on a synthetic task with a gold reward",
+        "",
+        *([f"**{SMOKE_TEST_NOTE[0].upper()}{SMOKE_TEST_NOTE[1:]}.**", ""] if summary.get("smoke_test") else []),
+        "## What happened",
+        "",
+        *comparison_sentences(summary),
+        "",
+        "Methods: " + "; ".join(f"`{m}` is {describe_method(m, summary.get('value_weighting', 'first'))}"
+                                for m in summary["methods"]) + ".",
         "",
         f"Seeds {', '.join(str(s) for s in summary['seeds'])}; wall time {summary['wall_seconds']:.0f} s "
         f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
@@ -149,6 +212,8 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
         "`first`, the default, is the value of the state where a macro action starts).",
         "",
         f"![gold and reward-model reward against step]({plot_name})",
+        "",
+        "## Table",
         "",
         "Final evaluation on held-out prompts (one sample per prompt, temperature 0.8), mean ± std over seeds:",
         "",

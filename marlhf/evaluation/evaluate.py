@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from marlhf.config import ConfigBase, option
 from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, prompt_token_ids
+from marlhf.data.records import prompt_records
 from marlhf.evaluation.judge import write_jsonl
 from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
@@ -242,10 +243,13 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def run_evaluation(config: EvaluateConfig, records: list[dict[str, Any]] | None = None, device: str | None = None) -> dict[str, Any]:
+def run_evaluation(config: EvaluateConfig, records: list[str] | list[dict[str, Any]] | None = None,
+                   device: str | None = None) -> dict[str, Any]:
     """Run what `config` asks for and return the summary written to OUTPUT_DIR (see the module docstring).
-    `records`: evaluation records ({"prompt", ...}) used as given; default: `config.num_samples` records of
-    `config.dataset` drawn with `config.seed` through load_records. The summary is also printed."""
+    `records`: evaluation prompts (strings) or records ({"prompt", ...}) used as given; default:
+    `config.num_samples` records of `config.dataset` drawn with `config.seed` through load_records. The summary
+    is also printed."""
+    records = prompt_records(records) if records is not None else None
     result = _evaluate(config, records, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
     print(json.dumps(result, indent=2))
     return result

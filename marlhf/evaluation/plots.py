@@ -108,7 +108,7 @@ def group_curves(runs: Sequence[RunMetrics], metric: str, smoothing: int = 1) ->
 
 def _draw(ax, curves: dict[str, GroupCurve], title: str) -> None:
     for label, curve in curves.items():
-        (line,) = ax.plot(curve.steps, curve.mean, label=f"{label} (n={curve.num_runs})", linewidth=1.5)
+        (line,) = ax.plot(curve.steps, curve.mean, label=f"{label} ({curve.num_runs} run{'s' if curve.num_runs > 1 else ''})", linewidth=1.5)
         if curve.num_runs > 1:
             ax.fill_between(curve.steps, curve.mean - curve.std, curve.mean + curve.std, color=line.get_color(), alpha=0.2)
     ax.set_title(title, fontsize=10)

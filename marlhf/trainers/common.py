@@ -34,6 +34,7 @@ import dataclasses
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -357,9 +358,14 @@ def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: 
         return grad_norm, learning_rate
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf)
     learning_rate = scheduler.get_last_lr()[0]
-    if guard is None or guard.allows(grad_norm):
+    stepped = guard is None or guard.allows(grad_norm)
+    if stepped:
         optimizer.step()
-    scheduler.step()
+    with warnings.catch_warnings():
+        if not stepped:  # a skipped step advances the schedule, as DeepSpeed's engine does; before the first real
+            # optimizer step torch warns that the order looks wrong
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        scheduler.step()
     optimizer.zero_grad()
     return grad_norm, learning_rate
 

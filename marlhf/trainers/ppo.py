@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, whiten
-from marlhf.data.records import require_fields
+from marlhf.data.records import prompt_records, require_fields
 from marlhf.engines import EngineContext, make_engine
 from marlhf.estimators import AdvantageBatch
 from marlhf.kl_control import AdaptiveKLController
@@ -323,22 +323,23 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
 
 
 # ---------------------------------------------------------------------------------------------- the loop
-def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, policy=None, ref=None,
+def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | None = None, policy=None, ref=None,
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
               reward_fn: RewardFn | list[RewardFn] | None = None):
-    """Train the policy with (MA-)PPO on `prompts` ({"prompt": ...} records; default: config.dataset) and
+    """Train the policy with (MA-)PPO on `prompts` (strings, or {"prompt": ...} records whose other fields go to
+    reward functions; default: config.dataset) and
     return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
     `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
     Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
     accelerator = make_accelerator(config)
-    records = prompts if prompts is not None else records_from_config(config, "rl")
+    records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
     require_fields(records, ("prompt",), "rl")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
     models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
                           reward_model=reward_model, reward_fn=reward_fn)
-    prompt_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
+    kept_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
     # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
     plan = BatchPlan(len(prompt_ids), config, accelerator, accumulation=1)
     piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
@@ -353,7 +354,7 @@ def train_ppo(config: PPOConfig, prompts: list[dict[str, Any]] | None = None, po
     plugins = {option: (config.plugin(option), config.plugin_options(option)) for option in PLUGINS}
     engine = make_engine(config.rollout_engine, EngineContext(config, accelerator, plugins["rollout_engine"][1]))
     run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
-                 models.reward_fn, engine, updaters, prompt_records, prompt_ids, plan, piece_size,
+                 models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
                  eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
 
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",

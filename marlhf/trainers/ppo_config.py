@@ -15,7 +15,7 @@ from marlhf.kl_control import AdaptiveKLController
 from marlhf.losses import LossAggregation, RatioGranularity, SegmentWeighting, check_loss_options
 from marlhf.parsing import ParsingLanguage
 from marlhf.rollout import KVCache, SamplingNoise
-from marlhf.plugins import Plugin, Registry, did_you_mean
+from marlhf.plugins import Plugin, Registry
 
 __all__ = ["PPOConfig", "PLUGINS", "import_named_plugins"]
 

@@ -19,7 +19,7 @@ from tests.trainers.test_ppo import RECORDS, count_e
 
 
 def _live_causal_lms() -> set[int]:
-    return {id(o) for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)}
+    return {id(o) for o in gc.get_objects() if issubclass(type(o), LlamaForCausalLM)}
 
 
 def _config(tmp_path, **overrides) -> PPOConfig:
