@@ -208,7 +208,7 @@ def include(path: str, depth: int) -> str:
             return match.group(1)
         return f"{match.group(1)}\n\n![{name}]({'../' * depth}studies/figures/{study}/{name})"
 
-    return repo_links(figure.sub(show, text), depth)
+    return figure.sub(show, repo_links(text, depth))
 
 
 # Where a repository file that a Markdown text links to is on the site (relative to docs/).
