@@ -121,11 +121,15 @@ class VLLMEngine:
         if self.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         kwargs.update(self.llm_kwargs)
-        states = _rng_states()
+        # An in-process vLLM seeds the global RNGs (torch, numpy, random) and, on CPU, replaces
+        # torch.set_num_threads with a no-op after binding its OpenMP threads: leave the trainer's alone.
+        states, set_num_threads, threads = _rng_states(), torch.set_num_threads, torch.get_num_threads()
         try:
             self.llm = vllm.LLM(**kwargs)
-        finally:  # an in-process vLLM seeds the global RNGs (torch, numpy, random): leave the trainer's alone
+        finally:
             _restore_rng_states(states)
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
         self.logit_scale = 1.0
 
     # -- the engine seam -------------------------------------------------------------------------------
@@ -175,7 +179,11 @@ class VLLMEngine:
                                  max_tokens=max_new_tokens, seed=int(seed), ignore_eos=True, stop_token_ids=eos_ids,
                                  logprobs=0 if return_logprobs else None, detokenize=False)
                   for seed in row_seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        # vLLM draws the exponentials of unseeded rows from the global RNG before overwriting seeded rows'
+        # from their own generators: fork it so the trainer's stream does not depend on the rollout
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         completions = [output.outputs[0] for output in outputs]
         width = max(len(c.token_ids) for c in completions)
         response_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
