@@ -17,7 +17,7 @@ import json
 import sys
 import typing
 
-from marlhf.advantages import ValueWeighting
+from marlhf.segments import ValueWeighting
 from marlhf.demo.config import DemoConfig
 from marlhf.demo.pipeline import run_demo
 

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from marlhf.segments import fixed_ngram, word_starts, words
 
     work = Path(arguments.work)
-    credit_assignment.ensure_models("task1", work, arguments.quick)
     config = credit_assignment.demo_config("task1", "gold_sft", arguments.quick)
+    credit_assignment.ensure_models(work / "models" / "task1", config, "task1")
     models = load_models(config, work / "models" / "task1")
     task, tokenizer = models.task, models.tokenizer
     num_words = task.config.num_words

@@ -1,7 +1,7 @@
 """Rewards, values and advantages at token and macro-action level.
 
 Shapes follow :mod:`marlhf.segments`: ``[B, T]`` over response tokens, right-padded, ``mask``
-bool. For row b with segments tau = 0..m-1 (SPEC.md):
+bool. For row b with segments tau = 0..m-1 (docs/algorithm.md):
 
     R_tau = sum_{t in tau} r_t                      (segment_reward="sum"; "mean" divides by |tau|)
     V_tau = sum_i sigma_i V_{t_tau + i}             (value_weighting: "equal" | "unit" | "position" | "first")
@@ -37,39 +37,29 @@ import torch
 
 from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
 from marlhf.segments import (
+    ValueWeighting,
     broadcast_segments,
-    segment_first_token,
-    segment_last_token,
+    masked_mean,
     segment_lengths,
     segment_mean,
     segment_sum,
+    segment_values,
 )
 
-ValueWeighting = Literal["equal", "unit", "position", "first"]
 SegmentReward = Literal["sum", "mean", "weighted"]
+LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (estimators.GAEOptions)
 
 __all__ = [
     "kl_penalized_rewards",
     "length_adaptive_lam",
     "token_gae",
     "macro_gae",
-    "segment_weights",
-    "segment_values",
     "discounted_reverse_cumsum",
     "rloo",
     "grpo",
     "reinforce",
     "whiten",
-    "masked_mean",
 ]
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over True positions of ``mask`` (0 where nothing is masked)."""
-    x = torch.where(mask, x, torch.zeros_like(x))
-    if dim is None:
-        return x.sum() / mask.sum().clamp(min=1)
-    return x.sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def kl_penalized_rewards(
@@ -186,60 +176,6 @@ def token_gae(
     return advantages, torch.where(mask, advantages + values, zeros)
 
 
-def segment_weights(
-    segment_ids: torch.Tensor,
-    mask: torch.Tensor,
-    value_weighting: ValueWeighting = "equal",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Token weights sigma that turn token values into a segment value; they sum to 1 per segment.
-
-    - ``"equal"``: 1/|tau| on each token;
-    - ``"unit"``: 1 on the segment's last token;
-    - ``"position"``: (1/(|tau| - i)) / H, i = 0 for the first token, H the normaliser
-      (later tokens weigh more; the last one most);
-    - ``"first"`` (not in the paper): 1 on the segment's first token, i.e. the value of the state
-      where the macro action starts. V_t is the value before token t, so the paper's three mix in
-      states that already hold part of the action being judged; this one does not.
-
-    Returns:
-        float [B, T], 0 on padding.
-    """
-    is_last = segment_last_token(segment_ids)
-    slots = segment_ids.shape[1]  # a row has at most T segments: enough slots without reading the ids
-    if value_weighting == "equal":
-        raw = mask.to(dtype)
-    elif value_weighting == "unit":
-        raw = is_last.to(dtype)
-    elif value_weighting == "first":
-        raw = segment_first_token(segment_ids).to(dtype)
-    elif value_weighting == "position":
-        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(segment_ids)
-        last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids, slots), segment_ids)
-        remaining = (last_pos - positions + 1).clamp(min=1)  # |tau| - i
-        raw = torch.where(mask, 1.0 / remaining.to(dtype), 0.0)
-    else:
-        raise ValueError(f"`value_weighting` must be 'equal', 'unit', 'position' or 'first', got {value_weighting!r}")
-    norm = broadcast_segments(segment_sum(raw, segment_ids, slots), segment_ids)
-    return torch.where(mask, raw / norm.clamp(min=1e-12), 0.0)
-
-
-def segment_values(
-    values: torch.Tensor,
-    segment_ids: torch.Tensor,
-    value_weighting: ValueWeighting = "equal",
-    lengths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S].
-
-    ``lengths`` (from :func:`segment_lengths`) may be passed to save a pass over the batch.
-    """
-    if value_weighting == "equal":  # the common case, without building per-token weights
-        return segment_mean(values, segment_ids, lengths)
-    weights = segment_weights(segment_ids, segment_ids >= 0, value_weighting, values.dtype)
-    return segment_sum(values * weights, segment_ids, None if lengths is None else lengths.shape[1])
-
-
 def macro_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -255,11 +191,11 @@ def macro_gae(
     Args:
         rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
         lam: a float, or float [B], one lambda per row (over its segments).
-        value_weighting: how token values form a segment value (see :func:`segment_weights`).
+        value_weighting: how token values form a segment value (see :func:`marlhf.segments.value_weights`).
         segment_reward: "sum" (the paper), "mean" (the released code with `equal`, which shrinks the KL
             penalty by about 1/|tau|) or "weighted" (the released code in general: the token rewards weighted
             by the value weighting's sigma, as its segment values are; with `equal` it is "mean"; the released
-            `position` weights 1/(i+1), earliest token heaviest, which marlhf does not offer: SPEC.md).
+            `position` weights 1/(i+1), earliest token heaviest, which marlhf does not offer: docs/algorithm.md).
     Returns:
         (advantages, returns): float [B, T]; every token of segment tau carries A_tau and Q_tau;
         0 on padding.

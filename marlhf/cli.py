@@ -1,8 +1,9 @@
-"""Command line: `marlhf sft|reward|dpo|ppo [--config FILE.yaml] [--option value ...]` (also `python -m marlhf`).
+"""Command line: `marlhf COMMAND [--option value ...]` (also `python -m marlhf`).
 
-Each subcommand builds its trainer's config from the YAML file and the flags (flags win), then calls the
-trainer, which reads its records through marlhf.data.load_records(--dataset). `marlhf COMMAND --help`
-lists every option with its default. A trainer module is imported only when its command runs.
+The trainers `sft`, `reward`, `dpo`, `ppo` and `evaluate` build their config from a YAML file (`--config`) and
+the flags (flags win), then run, reading their records through marlhf.data.load_records(--dataset); a trainer
+module is imported only when its command runs. The tools `plot`, `judge`, `human-eval` (marlhf.evaluation) and
+`demo` (the embedded demo) take their own flags. `marlhf COMMAND --help` lists every option with its default.
 
 The console shows marlhf's own progress bars and messages; the libraries' (transformers' "Loading weights",
 datasets' and the Hub's bars, their info messages and deprecation warnings) are silenced unless `--verbose`.
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = [argument for argument in argv if argument != "--verbose"]
     quiet_libraries(verbose)
     command = argv[0] if argv and argv[0] in COMMANDS else None
+    if command == "ppo":
+        from marlhf.trainers.ppo_config import import_named_plugins
+
+        import_named_plugins(argv)
     parser = build_parser(command)
     arguments = parser.parse_args(argv)
     if arguments.command in TOOLS:

@@ -14,7 +14,8 @@ API (for trainer authors):
     MyConfig.add_arguments(parser); MyConfig.from_arguments(namespace)   (used by marlhf.cli subcommands)
     config.to_dict(); config.save_yaml(path)
 
-Supported field types: bool, int, float, str, Literal[...], tuple[T, ...], and `X | None` of these.
+Supported field types: bool, int, float, str, Literal[...], tuple[T, ...], dict[str, Any] (a mapping: a YAML
+mapping in a file, YAML flow text `'{a: 1}'` on the command line), and `X | None` of these.
 Every field is declared with `option(default, help, gt=, ge=, lt=, le=)`; the bounds are checked on
 construction (None always passes bounds).
 """
@@ -73,8 +74,9 @@ def _split_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """Check `value` against `annotation`; return it in canonical form (int -> float, list -> tuple)."""
+def coerce_option(name: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against `annotation`; return it in canonical form (int -> float, list -> tuple). A ValueError
+    names `name`."""
     inner, optional = _split_optional(annotation)
     if value is None:
         if optional:
@@ -94,7 +96,7 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
             value = (value,)  # `report_to: wandb` in a YAML file, or an old config.yaml's single value
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name} must be a list, got {value!r}")
-        return tuple(_coerce(f"{name}[{i}]", v, item_type) for i, v in enumerate(value))
+        return tuple(coerce_option(f"{name}[{i}]", v, item_type) for i, v in enumerate(value))
     if inner is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool (true/false), got {value!r}")
@@ -113,7 +115,27 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string, got {value!r}")
         return value
+    if origin is dict:
+        if isinstance(value, str):  # YAML flow text from the command line
+            value = _yaml_mapping(name, value)
+        if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+            raise ValueError(f"{name} must be a mapping of option: value, got {value!r}")
+        return dict(value)
+    if inner is Any:
+        return value
     raise TypeError(f"unsupported config type {annotation!r} for {name}")
+
+
+def _yaml_mapping(name: str, text: str) -> dict:
+    try:
+        value = yaml.load(text, Loader=_ConfigLoader)
+    except (yaml.YAMLError, ValueError) as error:
+        raise ValueError(f"{name}: cannot read {text!r} as a YAML mapping ({error})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping such as '{{option: value}}', got {text!r}")
+    return value
 
 
 def _argparse_kwargs(name: str, annotation: Any) -> dict[str, Any]:
@@ -122,6 +144,8 @@ def _argparse_kwargs(name: str, annotation: Any) -> dict[str, Any]:
     origin = typing.get_origin(inner)
     if inner is bool and not optional:
         return {"action": argparse.BooleanOptionalAction}
+    if origin is dict:
+        return {"metavar": "'{OPTION: VALUE, ...}'"}  # a string, read as YAML by coerce_option
     if origin is tuple:
         item_type = typing.get_args(inner)[0]
         return {"nargs": "+", "type": _scalar_parser(name, item_type, optional=False)}
@@ -166,7 +190,7 @@ class ConfigBase:
         """Type- and bound-check every field. Subclasses add cross-field checks after super()."""
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            value = _coerce(f.name, getattr(self, f.name), hints[f.name])
+            value = coerce_option(f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
             _check_bounds(f.name, value, f.metadata.get("bounds", {}))
 
@@ -176,6 +200,7 @@ class ConfigBase:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]):
+        values = cls.expand_values(dict(values))
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid options: {cls.field_names()}")
@@ -186,6 +211,12 @@ class ConfigBase:
         values = _read_yaml(path)
         values.update(overrides)
         return cls.from_dict(values)
+
+    @classmethod
+    def expand_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite file / command-line values into fields before they are checked (PPOConfig expands plug-in
+        blocks); as they are by default."""
+        return values
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)

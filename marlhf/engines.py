@@ -1,6 +1,8 @@
 """Rollout engines: what PPO samples its responses with.
 
-An engine has two methods, called by the trainer once per step, in this order:
+An engine is made once per run by its factory, `factory(context: EngineContext)` (the run's config and
+accelerator, and the engine's own options), and has two methods, called by the trainer once per step, in this
+order:
 
     engine.sync_weights(policy)        # the policy's current weights, before the step's rollout
     engine.generate(query_ids, query_mask, row_seeds=..., max_new_tokens=..., temperature=..., top_k=...,
@@ -13,9 +15,10 @@ with the conventions of :mod:`marlhf.rollout`: prompts left-padded, responses ri
 stream seeded by `row_seeds[b]`, so a response depends only on its prompt and seed.
 
 `hf` (`HFEngine`) is the one built in: transformers' `generate` on the policy itself, so `sync_weights`
-has nothing to copy; its `generate` also takes `sampling_noise` and `kv_cache`
-(`marlhf.rollout.generate_responses`). A vLLM (or SGLang) engine is one new file that registers itself, and no
-trainer edit:
+has nothing to copy; its options are `sampling_noise` and `kv_cache` (`marlhf.rollout.generate_responses`).
+Engines are plug-ins like the termination rules (marlhf.plugins): `register_engine(name, options=...)` on the
+factory, chosen by name or dotted path with `rollout_engine`. A vLLM (or SGLang) engine is one new file that
+registers itself, and no trainer edit:
 
 - `sync_weights(policy)`: push the policy's state dict into the inference engine's model (with LoRA, the
   merged weights), e.g. through a worker-side `load_weights`, as OpenRLHF and verl do; the trainer calls it on
@@ -33,15 +36,18 @@ trainer edit:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from marlhf.rollout import generate_responses
+from marlhf.plugins import Plugin, Registry
+from marlhf.rollout import KVCache, SamplingNoise, generate_responses
 
-__all__ = ["RolloutEngine", "HFEngine", "ENGINES", "register_engine", "get_engine"]
+__all__ = ["RolloutEngine", "EngineContext", "HFEngine", "HFOptions", "ENGINES", "register_engine", "get_engine",
+           "make_engine"]
 
 
 class RolloutEngine(Protocol):
@@ -53,10 +59,50 @@ class RolloutEngine(Protocol):
                  return_logprobs: bool = False) -> tuple[torch.Tensor, ...]: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineContext:
+    """What an engine's factory gets: the run's PPO config and Accelerate accelerator (None outside a run), and
+    the engine's own options (an instance of its options dataclass, None if it declares none)."""
+
+    config: Any = None
+    accelerator: Any = None
+    options: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HFOptions:
+    """The hf engine's options: PPOConfig's `sampling_noise` and `kv_cache`."""
+
+    sampling_noise: SamplingNoise = "row_generators"
+    kv_cache: KVCache = "dynamic"
+
+
+REGISTRY = Registry("rollout engine", "rollout_engine")
+ENGINES: dict[str, Plugin] = REGISTRY.plugins
+
+
+def register_engine(name: str, *, options: type | None = None) -> Callable[[Any], Any]:
+    """Decorator: make the factory (a class, or a function of an EngineContext) the engine named `name`."""
+    return REGISTRY.register(name, options=options)
+
+
+def get_engine(spec: str) -> Plugin:
+    """The engine registered as `spec`, or the factory at the dotted path `package.module:factory`."""
+    return REGISTRY.get(spec)
+
+
+def make_engine(spec: str, context: EngineContext) -> RolloutEngine:
+    """A new engine of the kind named by `spec`."""
+    return get_engine(spec).obj(context)
+
+
+@register_engine("hf", options=HFOptions)
 class HFEngine:
     """Samples with the policy itself through transformers' `generate` (KV cache, per-row Gumbel noise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: EngineContext | None = None) -> None:
+        options = context.options if context is not None else None
+        self.options = options if isinstance(options, HFOptions) else HFOptions()
         self.policy: nn.Module | None = None
 
     def sync_weights(self, policy: nn.Module) -> None:
@@ -65,26 +111,5 @@ class HFEngine:
     def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, **sampling) -> tuple[torch.Tensor, ...]:
         if self.policy is None:
             raise RuntimeError("sync_weights(policy) must be called before generate")
-        return generate_responses(self.policy, query_ids, query_mask, **sampling)
-
-
-ENGINES: dict[str, Callable[[], RolloutEngine]] = {"hf": HFEngine}
-
-
-def register_engine(name: str, factory: Callable[[], RolloutEngine]) -> None:
-    """Make `factory` (called with no arguments, once per run) the engine named `name`."""
-    if name in ENGINES and ENGINES[name] is not factory:
-        raise ValueError(f"a rollout engine named {name!r} is already registered")
-    ENGINES[name] = factory
-
-
-def engine_class(name: str) -> type:
-    """The engine class registered as `name` (a ValueError listing the registered ones otherwise)."""
-    if name not in ENGINES:
-        raise ValueError(f"rollout_engine must be one of {sorted(ENGINES)}, got {name!r}")
-    return ENGINES[name]
-
-
-def get_engine(name: str) -> RolloutEngine:
-    """A new engine of the kind registered as `name`."""
-    return engine_class(name)()
+        return generate_responses(self.policy, query_ids, query_mask, sampling_noise=self.options.sampling_noise,
+                                  kv_cache=self.options.kv_cache, **sampling)

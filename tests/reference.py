@@ -1,5 +1,5 @@
 """Slow, obviously correct references for the core math: plain Python loops over rows, segments
-and tokens, written straight from the formulas of SPEC.md. The vectorised code is tested
+and tokens, written straight from the formulas of docs/algorithm.md. The vectorised code is tested
 against these."""
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ from marlhf.advantages import (
     macro_gae,
     reinforce,
     rloo,
-    segment_values,
     token_gae,
     whiten,
 )
-from marlhf.segments import fixed_ngram, num_segments, perplexity, randomized_ngram, split_last_token, words
+from marlhf.segments import (fixed_ngram, num_segments, perplexity, randomized_ngram, segment_values,
+                             split_last_token, words)
 from tests.reference import macro_gae_ref, random_batch, segments_of_row, token_gae_ref, token_gae_schedule_ref
 
 

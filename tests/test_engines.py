@@ -18,8 +18,8 @@ class CountingEngine(HFEngine):
 
     instances: list["CountingEngine"] = []
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, context=None) -> None:
+        super().__init__(context)
         self.synced, self.calls = [], []
         CountingEngine.instances.append(self)
 
@@ -34,7 +34,7 @@ class CountingEngine(HFEngine):
 
 def test_ppo_samples_through_the_engine_and_a_registered_engine_trains_alike(tmp_path, make_tiny_causal_lm,
                                                                           tiny_tokenizer):
-    register_engine("counting", CountingEngine)
+    register_engine("counting")(CountingEngine)
     try:
         config = _config(tmp_path, max_steps=2)
         train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
@@ -58,4 +58,4 @@ def test_engine_errors():
     with pytest.raises(RuntimeError, match="sync_weights"):
         HFEngine().generate(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="already registered"):
-        register_engine("hf", CountingEngine)
+        register_engine("hf")(CountingEngine)

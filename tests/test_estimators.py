@@ -20,7 +20,8 @@ def _batch(**options) -> AdvantageBatch:
     rewards = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     values = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     config = PPOConfig(**options)
-    return AdvantageBatch(rewards, values, mask, fixed_ngram(mask, config.ngram), config)
+    return AdvantageBatch(rewards, values, mask, fixed_ngram(mask, config.ngram), config.plugin_options("advantage"),
+                          config=config)
 
 
 def test_builtins_are_the_core_functions():
@@ -28,12 +29,12 @@ def test_builtins_are_the_core_functions():
             if name in ("gae", "rloo", "grpo", "reinforce")} == {
         "gae": (True, 1), "rloo": (False, 2), "grpo": (False, 2), "reinforce": (False, 1)}
     batch = _batch(value_weighting="first", lam=0.9, ngram=3)
-    advantages, returns = get_estimator("gae").fn(batch)
+    advantages, returns = get_estimator("gae").obj(batch)
     expected = macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, 1.0, 0.9, "first")
     assert torch.equal(advantages, expected[0]) and torch.equal(returns, expected[1])
     totals = batch.rewards.sum(1)
     for name, reference in (("rloo", rloo(totals, 2)), ("grpo", grpo(totals, 2)), ("reinforce", reinforce(totals))):
-        advantages, returns = get_estimator(name).fn(_batch(advantage=name, num_samples_per_prompt=2)
+        advantages, returns = get_estimator(name).obj(_batch(advantage=name, num_samples_per_prompt=2)
                                                      if name != "reinforce" else batch)
         assert returns is None
         assert torch.equal(advantages, torch.where(batch.mask, reference[:, None], 0.0)), name
@@ -46,12 +47,12 @@ def test_gae_lambda_schedules(ngram):
         return macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, 1.0, lam, "first")
 
     decoupled = _batch(ngram=ngram, lam=0.9, lam_critic=1.0)
-    advantages, returns = get_estimator("gae").fn(decoupled)
+    advantages, returns = get_estimator("gae").obj(decoupled)
     assert torch.equal(advantages, gae(decoupled, 0.9)[0]) and torch.equal(returns, gae(decoupled, 1.0)[1])
     assert not torch.equal(returns, gae(decoupled, 0.9)[1])
 
     adaptive = _batch(ngram=ngram, lam=0.8, lam_schedule="length_adaptive", lam_alpha=0.9)
-    advantages, returns = get_estimator("gae").fn(adaptive)
+    advantages, returns = get_estimator("gae").obj(adaptive)
     per_row = length_adaptive_lam(num_segments(adaptive.segment_ids), 0.9)  # over macro actions
     assert len(set(per_row.tolist())) >= 2  # rows of different lengths get different lambdas
     assert torch.equal(advantages, gae(adaptive, per_row)[0]) and torch.equal(returns, gae(adaptive, 0.8)[1])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from marlhf._checks import trusted_inputs
 from marlhf.advantages import macro_gae
-from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, policy_loss_units, value_loss
+from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, loss_units, value_loss
 from marlhf.segments import fixed_ngram, perplexity, randomized_ngram, words
 from tests.reference import policy_loss_ref, random_batch, value_loss_ref
 
@@ -56,7 +56,7 @@ def test_segment_weightings_match_reference(seed, weighting):
                                              weighting=weighting)
         assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12), name
         assert stats["clipfrac"].item() == pytest.approx(clipfrac, abs=1e-6), name
-        units = policy_loss_units(mask, ids, weighting).item()
+        units = loss_units(mask, ids, weighting).item()
         assert units == (int(mask.sum()) if weighting != "uniform" else sum(len(set(r) - {-1}) for r in ids.tolist()))
 
 
@@ -329,7 +329,7 @@ def test_loss_aggregation_modes_match_transcriptions(mode):
     expected = {"token-mean": squared[mask].mean(), "seq-mean-token-mean": torch.stack([r.mean() for r in rows]).mean(),
                 "seq-mean-token-sum": torch.stack([r.sum() for r in rows]).mean()}[mode]
     assert v_loss.item() == pytest.approx(expected.item(), rel=1e-12)
-    assert policy_loss_units(mask, ids, "tokens", mode).item() == (
+    assert loss_units(mask, ids, "tokens", mode).item() == (
         int(mask.sum()) if mode == "token-mean" else int(mask.any(1).sum()))
 
 

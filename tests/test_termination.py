@@ -21,16 +21,19 @@ def pairs(batch: SegmentationBatch) -> torch.Tensor:
 
 
 def _batch(tokenizer, texts: list[str], **options) -> SegmentationBatch:
+    """The texts as a batch, with the options of the rule that PPOConfig(**options) names."""
     encoded = [tokenizer(t)["input_ids"] for t in texts]
     width = max(map(len, encoded))
     ids = torch.tensor([e + [tokenizer.pad_token_id] * (width - len(e)) for e in encoded])
     mask = torch.arange(width)[None, :] < torch.tensor([len(e) for e in encoded])[:, None]
-    return SegmentationBatch(ids, mask, torch.zeros(mask.shape), tokenizer, PPOConfig(**options), seed=0)
+    config = PPOConfig(**options)
+    return SegmentationBatch(ids, mask, torch.zeros(mask.shape), tokenizer, config.plugin_options("termination"),
+                             seed=0, config=config)
 
 
 def test_builtin_rules_are_registered_and_unknown_names_are_refused():
     assert {"fixed", "randomized", "perplexity", "parsing", "word"} <= set(TERMINATION_RULES)
-    assert get_termination("tests.test_termination:pairs") is pairs
+    assert get_termination("tests.test_termination:pairs").obj is pairs
     for bad, message in (("fixd", "one of"), ("tests.test_termination:nothing", "cannot import"),
                          ("no_such_module:rule", "cannot import"), ("tests.test_termination:RECORDS", "not a function")):
         with pytest.raises(ValueError, match=message):
@@ -63,7 +66,8 @@ def test_builtins_through_the_interface(tiny_tokenizer):
     batch = _batch(tiny_tokenizer, ["Human: hello there", "ok"], ngram=3)
     ids, stats = segment("fixed", batch)
     assert torch.equal(ids, fixed_ngram(batch.response_mask, 3)) and stats == {}
-    ids, stats = segment("parsing", _batch(tiny_tokenizer, ["x = 1\ny = 2"], parsing_language="python"))
+    ids, stats = segment("parsing", _batch(tiny_tokenizer, ["x = 1\ny = 2"], termination="parsing",
+                                           parsing_language="python"))
     assert set(stats) == {"parse_fallbacks"}
     with pytest.raises(ValueError, match="shaped like"):
         register_termination("broken")(lambda b: b.response_mask[:, :1].long())

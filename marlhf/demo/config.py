@@ -6,6 +6,9 @@ import dataclasses
 from typing import Any, Literal
 
 from marlhf.config import ConfigBase, option
+from marlhf.losses import SegmentWeighting
+from marlhf.segments import ValueWeighting
+from marlhf.termination import TERMINATION_RULES
 
 
 BaselineMethod = Literal["rloo", "grpo", "reinforce", "dpo"]
@@ -47,10 +50,10 @@ class DemoConfig(ConfigBase):
     ppo_learning_rate: float = option(3e-4, "policy learning rate", gt=0)
     dpo_learning_rate: float = option(3e-4, "learning rate of the dpo method", gt=0)
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
-    value_weighting: Literal["equal", "unit", "position", "first"] = option(
+    value_weighting: ValueWeighting = option(
         "first", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
                  "macro action starts, see the README's credit-assignment study; equal: the paper's)")
-    segment_weighting: Literal["tokens", "uniform", "geometric"] = option(
+    segment_weighting: SegmentWeighting = option(
         "tokens", "MA-PPO's policy loss over macro actions (PPOConfig.segment_weighting)")
     critic_init: Literal["reward", "sft"] = option(
         "reward", "critic initialisation: the reward model (the paper's choice) or the SFT model with a fresh head")
@@ -84,8 +87,12 @@ class DemoConfig(ConfigBase):
         return cls(**{**values, **overrides})
 
 
+NOT_IN_DEMO = ("fixed", "parsing")  # fixed takes its n; the demo's language has no parser
+
+
 def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
-    """`fixed:N`, `fixed:none`, `randomized`, `perplexity`, `word` -> (method name, PPOConfig options)."""
+    """`fixed:N`, `fixed:none`, or the name of another registered rule but parsing (randomized, perplexity, word, ...)
+    -> (method name, PPOConfig options)."""
     rule, _, argument = spec.partition(":")
     if rule == "fixed" and argument:
         if argument == "none":  # as `marlhf ppo --ngram none`: the whole response is one macro action
@@ -93,6 +100,7 @@ def parse_termination(spec: str) -> tuple[str, dict[str, Any]]:
         if argument.isdigit() and int(argument) >= 1:
             name = "ppo" if argument == "1" else "ma_ppo" if argument == "5" else f"ma_ppo_fixed{argument}"
             return name, {"termination": "fixed", "ngram": int(argument)}
-    elif rule in ("randomized", "perplexity", "word") and not argument:
+    elif rule in TERMINATION_RULES and rule not in NOT_IN_DEMO and not argument:
         return f"ma_ppo_{rule}", {"termination": rule}
-    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:none, randomized, perplexity or word")
+    others = ", ".join(name for name in sorted(TERMINATION_RULES) if name not in NOT_IN_DEMO)
+    raise ValueError(f"terminations: cannot read {spec!r}; use fixed:N, fixed:none or a registered rule ({others})")

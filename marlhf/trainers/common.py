@@ -238,11 +238,13 @@ def save_final_model(model: torch.nn.Module, tokenizer, directory: str | Path, a
 class BatchPlan:
     """Which records each process uses at each optimizer step."""
 
-    def __init__(self, num_records: int, config: TrainingConfig, accelerator: Accelerator) -> None:
+    def __init__(self, num_records: int, config: TrainingConfig, accelerator: Accelerator,
+                 accumulation: int | None = None) -> None:
+        """`accumulation`: micro-batches per optimizer step (None: config.gradient_accumulation_steps)."""
         self.num_records = num_records
         self.seed = config.seed
         self.micro_batch_size = config.per_device_batch_size
-        self.accumulation = config.gradient_accumulation_steps
+        self.accumulation = config.gradient_accumulation_steps if accumulation is None else accumulation
         self.process_index = accelerator.process_index
         self.num_processes = accelerator.num_processes
         self.records_per_step = self.micro_batch_size * self.accumulation * self.num_processes
@@ -267,9 +269,12 @@ class BatchPlan:
         return batches
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, config: TrainingConfig,
+                   learning_rate: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, at config.learning_rate unless `learning_rate` is given."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
+    lr = config.learning_rate if learning_rate is None else learning_rate
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=config.weight_decay,
                              betas=(config.adam_beta1, config.adam_beta2))
 
 
@@ -365,7 +370,7 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
 
     `collate(examples, pad_token_id, device) -> batch`; `loss_fn(model, batch) -> (loss, stats)` with 0-dim
     detached stats, logged with the loss as their means over the step's micro-batches;
-    `evaluate(model, step) -> dict` (optional) adds metrics after a step (empty: none this step). Returns the
+    `evaluate(model, step, total_steps) -> dict` (optional) adds metrics after a step (empty: none this step). Returns the
     trained model unwrapped (with LoRA: the adapters merged).
     """
     plan = BatchPlan(len(examples), config, accelerator)

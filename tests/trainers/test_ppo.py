@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import marlhf.estimators as estimators
+import marlhf.policy_losses as policy_losses
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import token_gae
 from marlhf.checkpoint import list_checkpoints
@@ -67,7 +68,8 @@ def test_without_a_reader_the_reference_is_dropped_and_nothing_else_changes(tmp_
     real_score = ppo.score_responses
     monkeypatch.setattr(ppo, "score_responses",
                         lambda *a, ref, **k: references.append(ref) or real_score(*a, ref=ref, **k))
-    register_termination("fixed_reading_reference")(TERMINATION_RULES["fixed"])
+    fixed = TERMINATION_RULES["fixed"]
+    register_termination("fixed_reading_reference", options=fixed.options)(fixed.obj)
     try:
         runs = {}
         for termination in ("fixed", "fixed_reading_reference"):
@@ -106,7 +108,7 @@ def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_to
         return token_gae(rewards, values, mask, gamma, lam)
 
     monkeypatch.setattr(estimators, "macro_gae", forced_token_gae)
-    monkeypatch.setattr(ppo, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
+    monkeypatch.setattr(policy_losses, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
     monkeypatch.setattr(ppo, "value_loss", lambda *args: value_loss(*args[:4], None, *args[5:]))
     token = run(tmp_path / "token")
     assert len(calls) == 2 and all(c.max() == c.shape[1] - 1 for c in calls)

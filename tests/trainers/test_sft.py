@@ -150,7 +150,7 @@ def test_two_process_run_shards_batches_and_resumes_exactly(tmp_path, tiny_model
 
 def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, make_tiny_causal_lm, tiny_tokenizer, tiny_records):
     (tmp_path / "sft" / "checkpoint-3").mkdir(parents=True)
-    with pytest.raises(ValueError, match="already holds an earlier run \(checkpoints"):
+    with pytest.raises(ValueError, match=r"already holds an earlier run \(checkpoints"):
         train_sft(_config(tmp_path), tiny_records["sft"], model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
 
 

@@ -1,0 +1,347 @@
+"""`PPOConfig`: the options of PPO / MA-PPO and of its critic-free baselines (`marlhf ppo --help` lists them by
+section). The algorithm they control is described in docs/algorithm.md and marlhf/trainers/ppo.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from marlhf.advantages import LamSchedule, SegmentReward
+from marlhf.segments import ValueWeighting
+from marlhf.config import TrainingConfig, coerce_option, option
+from marlhf import engines, estimators, policy_losses, termination
+from marlhf.imports import import_function
+from marlhf.kl_control import AdaptiveKLController
+from marlhf.losses import LossAggregation, RatioGranularity, SegmentWeighting, check_loss_options
+from marlhf.parsing import ParsingLanguage
+from marlhf.rollout import KVCache, SamplingNoise
+from marlhf.plugins import Plugin, Registry, did_you_mean
+
+__all__ = ["PPOConfig", "PLUGINS", "import_named_plugins"]
+
+# The options that name a plug-in (marlhf.plugins), each with its block of options `<option>_options`.
+PLUGINS: dict[str, Registry] = {"termination": termination.REGISTRY, "advantage": estimators.REGISTRY,
+                                "policy_loss": policy_losses.REGISTRY, "rollout_engine": engines.REGISTRY}
+
+
+def import_named_plugins(argv: list[str]) -> None:
+    """Import the plug-ins named by dotted path in command-line arguments, so that `--help` lists them and their
+    options (one that does not import is reported when the options are checked)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag.lstrip("-") in PLUGINS and ":" in value and not value.lstrip().startswith("{"):
+            try:
+                PLUGINS[flag.lstrip("-")].get(value)
+            except ValueError:
+                pass
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOConfig(TrainingConfig):
+    """PPO / MA-PPO and the critic-free baselines (RLOO, GRPO, REINFORCE) on prompt records."""
+
+    output_dir: str = option("outputs/ppo", "directory for checkpoints, metrics.jsonl, config.yaml and the final "
+                                            "policy")
+    model_name_or_path: str = option("google/gemma-2b", "SFT model: initial policy and frozen reference")
+    reward_model_name_or_path: str | None = option(
+        None, "reward model (ScalarHeadModel directory); required unless train_ppo gets a reward function")
+    critic_model_name_or_path: str | None = option(
+        None, "critic initialisation (none: the reward model, as in the paper; without one, the SFT model "
+              "with a fresh value head)")
+    learning_rate: float = option(1.5e-5, "policy peak AdamW learning rate", gt=0)
+    critic_learning_rate: float = option(1.5e-5, "critic peak AdamW learning rate", gt=0)
+    per_device_batch_size: int = option(8, "prompts per PPO step on each process", ge=1)
+    mini_batch_size: int = option(
+        8, "responses per optimizer update (per process); each is split into gradient_accumulation_steps pieces",
+        ge=1)
+    ppo_epochs: int = option(1, "passes of PPO updates over each rollout", ge=1)
+    rollout_engine: str = option("hf", "what samples the responses (marlhf.engines): hf, transformers' generate on "
+                                       "the policy, an engine registered with register_engine, or a dotted path "
+                                       "package.module:factory")
+    rollout_engine_options: dict[str, Any] | None = option(
+        None, "the engine's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
+    rollout_logprobs: Literal["recompute", "sampling"] = option(
+        "recompute", "the rollout's policy log-probs: a forward pass over prompt + response (exact), or kept from "
+                     "the sampling pass (one forward fewer per step, as TRL's PPO does; a KV-cached pass can differ "
+                     "from a full forward, more so in bf16). One update per step takes them from the update's "
+                     "forward either way")
+    forward_batch_size: int | None = option(
+        None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
+              "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
+    max_prompt_length: int = option(512, "prompt budget in tokens (what happens to longer prompts: long_prompts)",
+                                    ge=1)
+    long_prompts: Literal["drop", "truncate"] = option(
+        "drop", "prompts over max_prompt_length tokens are dropped (the released code's RL stage) or keep their last "
+                "max_prompt_length tokens and leading <bos>, as SFT, reward modelling, DPO and evaluation do")
+    max_response_length: int = option(512, "sample at most N response tokens", ge=1)
+    max_length: int = option(1024, "context budget: must hold max_prompt_length + max_response_length", ge=2)
+
+    # Sampling. Log-probs are taken under logits / temperature, the distribution the tokens came from.
+    temperature: float = option(0.8, "sampling temperature (>= 0.01: below it logits / temperature overflow the "
+                                     "log-probs)", ge=0.01)
+    top_k: int = option(50, "sample from the k most likely tokens (0: no top-k)", ge=0)
+    top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
+    sampling_noise: SamplingNoise = option(
+        "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
+                          "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
+    kv_cache: KVCache = option(
+        "dynamic", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
+                   "the decode step compiled by torch.compile (static_compiled); the same samples; static needs "
+                   "mixed_precision no")
+
+    # Macro actions.
+    termination: str = option(
+        "fixed", "macro-action termination rule: fixed, randomized, perplexity, parsing, word (one macro action per "
+                 "word, read off the tokenizer's vocabulary), another rule registered with "
+                 "marlhf.termination.register_termination, or a dotted path package.module:function")
+    ngram: int | None = option(
+        5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
+    randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "randomized: segment lengths to draw from", ge=1)
+    repeat_times: int = option(3, "randomized: how often the list of lengths is repeated before shuffling", ge=1)
+    parsing_cutoff: int = option(5, "parsing: a subtree with at most this many parser leaves is one action", ge=1)
+    parsing_language: ParsingLanguage = option(
+        "auto", "parsing: parser to use (auto: Python if the response parses as code)")
+    termination_options: dict[str, Any] | None = option(
+        None, "the rule's own options that are not PPO options, e.g. '{sentences: 2}' (a YAML mapping; "
+              "marlhf.plugins)")
+    last_token_own_segment: bool = option(
+        False, "the last response token forms its own macro action (the released code's layout)")
+
+    # Rewards and advantages.
+    reward: Literal["model", "code"] = option(
+        "model", "score source: the reward model, or the unit tests in each record's input_output (APPS, run in "
+                 "a sandbox); reward_fns, or a reward function passed to train_ppo, override both")
+    reward_fns: tuple[str, ...] = option(
+        (), "reward functions by dotted path package.module:function, in TRL's convention fn(prompts, completions, "
+            "**record_fields) -> scores (or marlhf's fn(prompts, completions)), summed with reward_weights; each "
+            "logged as rewards/<name>")
+    reward_weights: tuple[float, ...] | None = option(None, "weights of reward_fns (none: 1 each)")
+    advantage: str = option(
+        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; an "
+               "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
+               "package.module:function")
+    advantage_options: dict[str, Any] | None = option(
+        None, "the estimator's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
+    num_samples_per_prompt: int = option(1, "responses sampled per prompt (rloo and grpo need >= 2)", ge=1)
+    grpo_normalize_std: bool = option(True, "grpo: divide by the group's standard deviation")
+    kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token); 0 with a termination "
+                                   "rule that does not read the reference drops the reference model (no "
+                                   "forward, no copy; objective/kl is then not logged)", ge=0)
+    rm_score_clip: float | None = option(
+        None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
+    gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
+    lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
+    lam_critic: float | None = option(
+        None, "GAE lambda of the critic's targets, apart from the actor's advantages (VC-PPO's decoupled GAE uses 1); "
+              "over macro actions like lam: the segment values' regression targets (none: lam)", ge=0, le=1)
+    lam_schedule: LamSchedule = option(
+        "constant", "the actor's GAE lambda: lam for every response (constant), or VAPO's 1 - 1 / (lam_alpha * l) "
+                    "for a response of l macro actions (l tokens at ngram 1; clamped to [0, 1]; the critic's "
+                    "targets keep lam_critic, or lam)")
+    lam_alpha: float = option(0.05, "length_adaptive: alpha (VAPO: 0.05)", gt=0)
+    critic_warmup_steps: int = option(
+        0, "the first N PPO steps train only the critic on their rollouts, the policy frozen (VC-PPO's value "
+           "pretraining; OpenRLHF's freezing_steps, verl's critic_warmup); counted in the step budget", ge=0)
+    kl_target: float | None = option(
+        None, "adapt the KL coefficient after every step towards this KL (objective/kl), starting from kl_coef "
+              "(Ziegler et al. 2019; none: kl_coef stays fixed); logged as objective/kl_coef, kept in checkpoints",
+        gt=0)
+    kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
+                                    "must exceed 0.2 x the responses per step)", ge=1)
+    value_weighting: ValueWeighting = option(
+        "first", "a macro action's value from its token values: the first token's, the value of the state where "
+                 "the macro action starts (first; not in the paper, the default since the README's credit-"
+                 "assignment study), or the paper's: equal weights (equal), the last token only (unit), weights "
+                 "growing towards the last token (position)")
+    segment_reward: SegmentReward = option(
+        "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
+               "values), or weighted like its value (released code: value_weighting's weights)")
+    whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
+
+    # Losses.
+    policy_loss: str = option(
+        "ppo", "the policy loss (marlhf.policy_losses): ppo, the clipped surrogate with one ratio per macro action, "
+               "a loss registered with register_policy_loss, or a dotted path package.module:function")
+    policy_loss_options: dict[str, Any] | None = option(
+        None, "the policy loss's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
+    clip_range: float = option(0.2, "PPO clip range of the policy ratio", gt=0)
+    ratio_granularity: RatioGranularity = option(
+        "macro", "clip one joint ratio per macro action (paper) or per-token ratios (released code)")
+    segment_weighting: SegmentWeighting = option(
+        "tokens", "policy loss over macro actions: each weighted by its token count (tokens), a plain mean over "
+                  "macro actions (uniform, the paper's expectation), or token-count weights on the geometric mean "
+                  "of the token ratios (geometric, GSPO's length-normalised ratio)")
+    value_clip_range: float | None = option(
+        0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
+    value_loss_granularity: Literal["segment", "token"] = option(
+        "segment", "critic loss: each macro action's weighted value regressed to its return (paper), or each "
+                   "token's value regressed to its macro action's return (released code)")
+    loss_agg_mode: LossAggregation = option(
+        "token-mean", "how policy and value losses are averaged (verl's names): one mean over the mini-batch's "
+                      "tokens, or over responses of each response's token mean (the released runs: batch size 1 "
+                      "with accumulation) or token sum")
+    logprob_temperature: Literal["sampling", "raw"] = option(
+        "sampling", "log-probs for the ratio, the KL penalty and the perplexity rule from logits / temperature "
+                    "(the distribution sampled from) or from raw logits (the released code)")
+
+    # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
+    use_lora: bool = option(
+        False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
+               "(no second copy); the final policy is saved merged")
+
+    HELP_SECTIONS = {
+        "sampling": ("rollout_engine", "rollout_engine_options", "rollout_logprobs", "logprob_temperature", "forward_batch_size",
+                     "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
+                     "top_p", "sampling_noise", "kv_cache"),
+        "macro actions": ("termination", "termination_options", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
+                          "parsing_language", "last_token_own_segment"),
+        "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "advantage_options",
+                                   "num_samples_per_prompt",
+                                   "grpo_normalize_std", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
+                                   "gamma", "lam", "lam_critic", "lam_schedule", "lam_alpha", "critic_warmup_steps",
+                                   "value_weighting", "segment_reward", "whiten_advantages"),
+        "losses": ("policy_loss", "policy_loss_options", "clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
+                   "value_loss_granularity"),
+        "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
+    }
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_prompt_length + self.max_response_length > self.max_length:
+            raise ValueError(f"max_prompt_length + max_response_length ({self.max_prompt_length} + "
+                             f"{self.max_response_length}) must be <= max_length ({self.max_length})")
+        self._check_plugins()
+        minimum = self.plugin("advantage").min_samples_per_prompt
+        if self.num_samples_per_prompt < minimum:
+            raise ValueError(f"advantage={self.advantage!r} needs num_samples_per_prompt >= {minimum}, "
+                             f"got {self.num_samples_per_prompt}")
+        if self.rollout_size % self.mini_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
+                             f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
+        if self.kv_cache != "dynamic" and self.mixed_precision != "no":
+            # transformers allocates a static cache in the model's dtype, and autocast hands it bf16/fp16 keys
+            raise ValueError(f"kv_cache={self.kv_cache!r} needs mixed_precision='no' (got {self.mixed_precision!r}): "
+                             "the static cache is allocated in the weights' dtype; use kv_cache='dynamic'")
+        if self.policy_loss == "ppo":
+            check_loss_options(self.loss_agg_mode, self.ratio_granularity, self.segment_weighting)
+        else:
+            check_loss_options(self.loss_agg_mode)
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
+            raise ValueError(f"reward_weights ({len(self.reward_weights)}) must give one weight per reward_fns entry "
+                             f"({len(self.reward_fns)})")
+        for path in self.reward_fns:
+            import_function(path, "reward_fns")  # a path that does not import stops here
+        if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
+            raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
+                             "log-probs are under logits / temperature)")
+        if self.mini_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
+                             f"mini_batch_size ({self.mini_batch_size})")
+        if self.critic_warmup_steps and not self.uses_critic:
+            raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps} needs a critic; advantage="
+                             f"{self.advantage!r} has none (use advantage='gae')")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef from its start value, which must be > 0 (got kl_coef=0)")
+        if self.kl_target is not None:
+            AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
+
+    @property
+    def rollout_size(self) -> int:
+        """Responses sampled per PPO step on each process."""
+        return self.per_device_batch_size * self.num_samples_per_prompt
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are taken at (ratio, KL penalty, perplexity rule)."""
+        return self.temperature if self.logprob_temperature == "sampling" else 1.0
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.plugin("advantage").needs_critic
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether anything reads the frozen reference: the KL penalty, or a termination rule that reads its
+        log-probs (perplexity, or any rule not registered as reference-free). Without one, PPO neither keeps
+        nor runs it (TRL's GRPO does the same at beta 0)."""
+        return self.kl_coef > 0 or self.plugin("termination").reads_reference
+
+    @property
+    def reuses_rollout_forward(self) -> bool:
+        """One update per step, of the whole rollout in one piece: the rollout's policy and critic forwards
+        then run with gradients and the update backpropagates through them instead of running them again
+        (the weights do not change in between, so this is exact). Both graphs are held at once."""
+        return (self.ppo_epochs == 1 and self.mini_batch_size == self.rollout_size
+                and self.gradient_accumulation_steps == 1)
+
+    # ---- plug-ins (marlhf.plugins) -------------------------------------------------------------------------
+    def plugin(self, option: str) -> Plugin:
+        """The plug-in that the option `option` (termination, advantage, policy_loss, rollout_engine) names."""
+        return PLUGINS[option].get(getattr(self, option))
+
+    def plugin_options(self, option: str) -> Any:
+        """The named plug-in's options: PPO's own options of the same names, and the rest from its block."""
+        plugin = self.plugin(option)
+        own = {name: getattr(self, name) for name in plugin.option_names if name in self._field_set()}
+        return plugin.make_options({**own, **(getattr(self, f"{option}_options") or {})})
+
+    @classmethod
+    def _field_set(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    def _check_plugins(self) -> None:
+        """Each plug-in resolves and takes its options, and a block holds no PPO option. The hf engine's options
+        set away from their defaults need the hf engine (another engine samples its own way); the other kinds'
+        options may stay set for a plug-in not chosen (configs keep parsing_language for `--termination
+        parsing`)."""
+        for option in PLUGINS:
+            plugin = self.plugin(option)  # an unknown name or a path that does not import stops here
+            block = getattr(self, f"{option}_options") or {}
+            flat = sorted(set(block) & self._field_set())
+            if flat:
+                raise ValueError(f"{option}_options: {flat[0]!r} is a PPO option: set it as {flat[0]} (or in a "
+                                 f"'{option}: {{name: ..., {flat[0]}: ...}}' block of a YAML config)")
+            self.plugin_options(option)  # unknown keys and wrong types stop here
+        engine, hf = self.plugin("rollout_engine"), PLUGINS["rollout_engine"].get("hf")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in set(hf.option_names) - set(engine.option_names):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} is the hf engine's option; rollout_engine="
+                                 f"{self.rollout_engine!r} samples its own way")
+
+    @classmethod
+    def expand_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """A plug-in given as a block, `termination: {name: fixed, ngram: 3}` (a YAML mapping, or its text from
+        the command line), becomes the option naming it, PPO's own options in the block, and its
+        `<option>_options` with the rest."""
+        fields = cls._field_set()
+        for option in PLUGINS:
+            block = values.get(option)
+            if isinstance(block, str) and block.lstrip().startswith("{"):
+                block = coerce_option(option, block, dict[str, Any])
+            if not isinstance(block, dict):
+                continue
+            block = dict(block)
+            if "name" not in block:
+                raise ValueError(f"{option}: a block needs the plug-in's name, e.g. '{option}: {{name: ..., ...}}'")
+            values[option] = block.pop("name")
+            extra = dict(values.get(f"{option}_options") or {})
+            for key, value in block.items():
+                if key not in fields:
+                    extra[key] = value
+                elif key in values and values[key] != value:
+                    raise ValueError(f"{key} is given twice: {values[key]!r} and {value!r} in the {option} block")
+                else:
+                    values[key] = value
+            if extra:
+                values[f"{option}_options"] = extra
+        return values
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """The options, then the registered plug-ins of each kind with the options each takes (a plug-in named by
+        dotted path on the command line is imported first, so it is listed too: import_named_plugins)."""
+        super().add_arguments(parser)
+        for option, registry in PLUGINS.items():
+            parser.add_argument_group(f"{option} plug-ins (name (option=default, ...))",
+                                      "; ".join(registry.get(name).describe() for name in registry.names()))
+

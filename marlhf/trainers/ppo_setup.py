@@ -1,0 +1,151 @@
+"""What `train_ppo` sets up before its first step: the reward source, the models, the tokenized prompts, and the
+optimisers and schedulers prepared by Accelerate."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from marlhf.data.encoding import prompt_token_ids
+from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm
+from marlhf.rewards import code_reward_fn
+from marlhf.rewards.functions import RewardFunctions
+from marlhf.rollout import RewardFn
+from marlhf.trainers.common import BatchPlan, FiniteUpdates, configure_deepspeed, make_optimizer, make_scheduler
+from marlhf.trainers.ppo_config import PPOConfig
+
+__all__ = ["PPOModels", "reward_source", "build_models", "tokenize_prompts", "prepare_training"]
+
+
+@dataclasses.dataclass
+class PPOModels:
+    """The models of a PPO run before Accelerate prepares them (`ref`, `critic`, `reward_model` may be None)."""
+
+    policy: torch.nn.Module
+    ref: Any
+    critic: ScalarHeadModel | None
+    reward_model: ScalarHeadModel | None
+    reward_fn: RewardFn | None
+
+
+def reward_source(config: PPOConfig, records: list[dict[str, Any]], reward_fn: RewardFn | list[RewardFn] | None,
+                  reward_model: ScalarHeadModel | None) -> tuple[RewardFn | None, ScalarHeadModel | None]:
+    """Where scores come from, in this order: a reward function passed in (several are summed with
+    reward_weights), `reward_fns` by dotted path, the unit tests of each record (reward="code"), else the reward
+    model (passed in, or loaded from reward_model_name_or_path). Returns (reward_fn, reward_model), one of them
+    None."""
+    if reward_fn is None and config.reward_fns:
+        reward_fn = RewardFunctions.from_paths(config.reward_fns, config.reward_weights)
+    elif isinstance(reward_fn, (list, tuple)):  # several functions from Python
+        reward_fn = RewardFunctions(reward_fn, config.reward_weights)
+    if reward_fn is None and config.reward == "code":
+        reward_fn = code_reward_fn(records)
+    if reward_fn is not None:
+        return reward_fn, None
+    if reward_model is None:
+        if config.reward_model_name_or_path is None:
+            raise ValueError("reward_model_name_or_path is required when no reward model or reward_fn is given")
+        reward_model = ScalarHeadModel.from_pretrained(config.reward_model_name_or_path, config.dtype)
+    return None, reward_model
+
+
+def build_models(config: PPOConfig, records: list[dict[str, Any]], device: torch.device, *, policy=None, ref=None,
+                 critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None,
+                 reward_fn: RewardFn | list[RewardFn] | None = None) -> PPOModels:
+    """The policy and the reference from the SFT model, the critic (from critic_model_name_or_path, else the reward
+    model, else the SFT model's transformer with a fresh value head), the frozen reward source; models passed in
+    are used as they are. LoRA adapters on policy and critic when asked; dropout off."""
+    if policy is None:
+        policy = load_causal_lm(config.model_name_or_path, config.dtype, config.gradient_checkpointing)
+    reward_fn, reward_model = reward_source(config, records, reward_fn, reward_model)
+    if reward_model is not None:
+        reward_model = _frozen(reward_model, device)
+    if config.uses_critic and critic is None:
+        critic_path = config.critic_model_name_or_path or config.reward_model_name_or_path
+        if critic_path is not None:
+            critic = ScalarHeadModel.from_pretrained(critic_path, config.dtype, config.gradient_checkpointing)
+        elif reward_model is not None:
+            critic = copy.deepcopy(reward_model).requires_grad_(True)
+        else:  # the SFT model's transformer with a fresh value head
+            critic = ScalarHeadModel(copy.deepcopy(policy.base_model))
+    if config.gradient_checkpointing:  # also for models passed in, and a critic copied from the reward model
+        for model in (policy, critic):
+            if model is not None:
+                model.activation_checkpointing_enable()
+    # The reference is the SFT model, before any update (when resuming, the checkpoint is loaded later).
+    if config.use_lora:
+        policy = apply_lora(policy, config)
+        critic = apply_lora(critic, config) if critic is not None else None
+    if not config.uses_reference:
+        ref = None  # nothing reads it: kl_coef is 0 and the termination rule is reference-free
+    elif ref is None:
+        ref = AdaptersDisabled(policy) if config.use_lora else copy.deepcopy(policy)
+    if isinstance(ref, torch.nn.Module):
+        ref = _frozen(ref, device)
+    policy = _disable_dropout(policy)
+    if critic is not None:
+        critic = _disable_dropout(critic)
+    return PPOModels(policy, ref, critic, reward_model, reward_fn)
+
+
+def tokenize_prompts(records: list[dict[str, Any]], tokenizer, config: PPOConfig,
+                     accelerator) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """The records kept and their prompts' token ids; a prompt over max_prompt_length tokens is dropped or cut
+    (long_prompts), and counted."""
+    kept, token_ids, long = [], [], 0
+    limit = config.max_prompt_length
+    for record in records:
+        ids = tokenizer(record["prompt"])["input_ids"]
+        if len(ids) > limit:
+            long += 1
+            if config.long_prompts == "drop":
+                continue
+            ids = prompt_token_ids(tokenizer, record["prompt"], limit)
+        kept.append(record)
+        token_ids.append(ids)
+    if long:
+        action = "dropped" if config.long_prompts == "drop" else "truncated"
+        accelerator.print(f"ppo: {action} {long} of {len(records)} prompts longer than {limit} tokens")
+    if not kept:
+        raise ValueError(f"every prompt is longer than max_prompt_length={limit} tokens (long_prompts='drop'; "
+                         "'truncate' keeps their last tokens)")
+    return kept, token_ids
+
+
+def prepare_training(config: PPOConfig, accelerator, models: PPOModels, plan: BatchPlan,
+                     piece_size: int) -> tuple[dict, dict, dict, list]:
+    """Optimisers and schedulers of the policy (and critic), all prepared by Accelerate. Returns the name ->
+    model / optimizer / scheduler dicts (what checkpoints hold) and the updaters, (model, optimizer, scheduler,
+    finite-update guard) of the policy, then the critic."""
+    updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)
+    policy_optimizer = make_optimizer(models.policy, config)
+    policy_scheduler = make_scheduler(policy_optimizer, config, plan.total_steps * updates_per_step)
+    # Under DeepSpeed policy and critic get an engine each (the critic's prepare logs that Accelerate's own
+    # backward stays tied to the policy's engine: ppo_update calls each engine's backward itself).
+    configure_deepspeed(accelerator, config, piece_size)
+    policy, policy_optimizer = accelerator.prepare(models.policy, policy_optimizer)
+    prepared, optimizers, schedulers = {"policy": policy}, {"policy": policy_optimizer}, {"policy": policy_scheduler}
+    if models.critic is not None:
+        critic_optimizer = make_optimizer(models.critic, config, learning_rate=config.critic_learning_rate)
+        critic_scheduler = make_scheduler(critic_optimizer, config, plan.total_steps * updates_per_step)
+        critic, critic_optimizer = accelerator.prepare(models.critic, critic_optimizer)
+        prepared["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
+    updaters = [(prepared[name], optimizers[name], schedulers[name], FiniteUpdates(config.nonfinite_skip_limit))
+                for name in prepared]
+    return prepared, optimizers, schedulers, updaters
+
+
+def _disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """PPO's ratio compares the rollout's log-probs with the update's forward of the same weights; dropout
+    would make them differ (the update runs in train mode, which gradient checkpointing needs)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def _frozen(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    return model.requires_grad_(False).eval().to(device)
