@@ -11,9 +11,13 @@ defaults, and PPO's). Exactness: each option's responses against those of the
 same noise with the dynamic cache (counter_hash samples other, equally distributed, tokens than row_generators).
 `--profile`: where one default generate call spends its time: the model's forward calls against the rest of
 `generate` (its Python loop, logits processors, stop checks), and the heaviest torch operators.
+`--engine vllm`: the vllm rollout engine (marlhf.engines_vllm; run in the vLLM venv, docs/vllm.md) against the hf
+engine's default on the same model and prompts, in alternating rounds; its LLM is built in the untimed first call
+(build time printed). The two draw other (equally distributed) tokens, so compare tokens/s: generated tokens
+(up to each row's EOS) per second at the median and at the best round (steadier on a busy machine).
 
-    python benchmarks/generation.py [--batch 16] [--new-tokens 64] [--prompt-lengths 32 64] [--rounds 5] [--threads 1]
-                                    [--profile]
+    python benchmarks/generation.py [--engine hf|vllm] [--batch 16] [--new-tokens 64] [--prompt-lengths 32 64]
+                                    [--rounds 5] [--threads 1] [--profile] [--kv-cache-gib 1]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 from marlhf.modeling import pad_sequences
 from marlhf.rollout import generate_responses
 
+VLLM = ("vllm engine", "vllm's")
 OPTIONS = [("row_generators", "dynamic"), ("row_generators", "static"), ("row_generators", "static_compiled"),
            ("counter_hash", "dynamic"), ("counter_hash", "static")]
 
@@ -44,6 +49,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also profile one default generate call")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="hf: the hf engine's options; vllm: the vllm engine against the hf default")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="vllm on CPU: VLLM_CPU_KVCACHE_SPACE")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -59,32 +67,52 @@ def main() -> None:
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     row_seeds=list(range(args.batch)))
 
-    def sample(noise: str, cache: str) -> tuple[float, torch.Tensor]:
+    engine = None
+    if args.engine == "vllm":
+        from marlhf.engines import EngineContext, VLLMOptions, make_engine
+
+        engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=args.kv_cache_gib)))
+        engine.sync_weights(policy)
+    options = OPTIONS if engine is None else [OPTIONS[0], VLLM]
+
+    def sample(noise: str, cache: str) -> tuple[float, torch.Tensor, int]:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        response_ids, _ = generate_responses(policy, query_ids, query_mask, sampling_noise=noise, kv_cache=cache,
-                                             **sampling)
+        if (noise, cache) == VLLM:
+            response_ids, response_mask = engine.generate(query_ids, query_mask, **sampling)
+        else:
+            response_ids, response_mask = generate_responses(policy, query_ids, query_mask, sampling_noise=noise,
+                                                             kv_cache=cache, **sampling)
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start, response_ids
+        return time.perf_counter() - start, response_ids, int(response_mask.sum())
 
-    responses = {option: sample(*option)[1] for option in OPTIONS}  # also the warm-up
-    seconds: dict[tuple[str, str], list[float]] = {option: [] for option in OPTIONS}
+    responses, tokens = {}, {}
+    for option in options:  # also the warm-up (and the vLLM build)
+        first_seconds, responses[option], tokens[option] = sample(*option)
+        if option == VLLM:
+            print(f"vllm engine: first call (LLM build + generate) {first_seconds:.1f} s")
+    seconds: dict[tuple[str, str], list[float]] = {option: [] for option in options}
     for _ in range(args.rounds):
-        for option in OPTIONS:
+        for option in options:
             seconds[option].append(sample(*option)[0])
     where = "cuda" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"generation, batch {args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, "
           f"{args.new_tokens} new tokens, {where}, {args.rounds} alternating rounds")
-    print(f"{'sampling_noise':<16}{'kv_cache':<17}{'median s':>10}{'min s':>8}{'vs first':>12}  same tokens as")
-    default = statistics.median(seconds[OPTIONS[0]])
-    for noise, cache in OPTIONS:
-        reference = (noise, "dynamic")
-        same = torch.equal(responses[noise, cache], responses[reference])
+    print(f"{'sampling_noise':<16}{'kv_cache':<17}{'median s':>10}{'min s':>8}{'vs first':>12}{'tokens/s':>10}"
+          f"{'best':>7}  same tokens as")
+    default = statistics.median(seconds[options[0]])
+    for noise, cache in options:
         median = statistics.median(seconds[noise, cache])
-        print(f"{noise:<16}{cache:<17}{median:>10.3f}{min(seconds[noise, cache]):>8.3f}{median / default:>11.2f}x"
-              f"  {noise}+dynamic: {'yes' if same else 'NO'}")
+        best, count = min(seconds[noise, cache]), tokens[noise, cache]
+        if (noise, cache) == VLLM:
+            same = "(another random stream)"
+        else:
+            equal = torch.equal(responses[noise, cache], responses[noise, "dynamic"])
+            same = f"{noise}+dynamic: {'yes' if equal else 'NO'}"
+        print(f"{noise:<16}{cache:<17}{median:>10.3f}{best:>8.3f}{median / default:>11.2f}x"
+              f"{count / median:>10.0f}{count / best:>7.0f}  {same}")
     if args.profile:
         profile(policy, lambda: sample(*OPTIONS[0]))
 

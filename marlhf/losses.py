@@ -13,6 +13,7 @@ plain mean over segments; "geometric": GSPO's length-normalised ratio).
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Literal
 
@@ -58,6 +59,8 @@ def policy_loss(
     segment_weighting: SegmentWeighting = "tokens",
     loss_agg_mode: LossAggregation = "token-mean",
     num_slots: int | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate at token or macro-action granularity.
 
@@ -81,6 +84,13 @@ def policy_loss(
             The seq-mean modes need segment_weighting="tokens".
         num_slots: the largest number of segments of a row, when the caller knows it on the host (saves the
             device read of ``segment_ids.max()``).
+        rollout_logprobs: float [B, T], the rollout engine's own log-probs of the drawn tokens, when they differ
+            from ``old_logprobs`` (the trainer's recomputation; another kernel, another precision, or a lagging
+            policy): with ``tis_cap``, truncated importance sampling (Yao et al. 2025) corrects the off-policy
+            gap: each unit's clipped surrogate is weighted by min(exp(sum(old_logprobs - rollout_logprobs)),
+            tis_cap), the sum over the unit's tokens (the segment's joint ratio, also with "geometric"). The
+            weight carries no gradient.
+        tis_cap: the cap C > 0 of those weights; None: off (and ``rollout_logprobs`` unused).
     Returns:
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
@@ -91,11 +101,19 @@ def policy_loss(
     check_like(advantages, mask, "advantages")
     if not clip > 0:
         raise ValueError(f"`clip` must be > 0, got {clip}")
+    if tis_cap is not None:
+        if not tis_cap > 0:
+            raise ValueError(f"`tis_cap` must be > 0, got {tis_cap}")
+        if rollout_logprobs is None:
+            raise ValueError("`tis_cap` needs the rollout engine's sampling log-probs (`rollout_logprobs`)")
+        check_like(rollout_logprobs, mask, "rollout_logprobs")
     check_loss_options(loss_agg_mode, ratio_granularity, segment_weighting)
 
     zeros = torch.zeros_like(logprobs)
     log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
     advantages = torch.where(mask, advantages, zeros)
+    # truncated importance sampling: log(pi_old_trainer / pi_rollout) of each token, summed per unit below
+    log_is = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach() if tis_cap is not None else None
     if segment_ids is None or ratio_granularity == "token":
         units = mask  # every token is its own unit
         weights = mask.to(logprobs.dtype)
@@ -104,6 +122,8 @@ def policy_loss(
         lengths = segment_lengths(segment_ids, num_slots)  # [B, S]
         weights, units = lengths.to(logprobs.dtype), lengths > 0
         log_ratio = segment_sum(log_ratio, segment_ids, lengths.shape[1])
+        if log_is is not None:
+            log_is = segment_sum(log_is, segment_ids, lengths.shape[1])
         advantages = segment_mean(advantages, segment_ids, lengths)
         if segment_weighting == "geometric":
             log_ratio = log_ratio / lengths.clamp(min=1)
@@ -115,6 +135,9 @@ def policy_loss(
     surrogate = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
     per_unit = torch.maximum(surrogate, clipped)
+    if log_is is not None:
+        tis_weight = torch.exp(log_is.clamp(-MAX_LOG_RATIO, math.log(tis_cap)))  # min(ratio, C), no overflow
+        per_unit = per_unit * tis_weight
     loss = _aggregate(per_unit * weights, mask, loss_agg_mode,
                       loss_units(mask, segment_ids, segment_weighting, loss_agg_mode))
 
@@ -125,6 +148,8 @@ def policy_loss(
             "ratio_mean": masked_mean(ratio, units),
             "ratio_max": torch.where(units, ratio, torch.zeros_like(ratio)).max() if units.numel() else ratio.new_zeros(()),
         }
+        if log_is is not None:
+            stats["tis_weight_mean"] = masked_mean(tis_weight, units)
     check_finite_vector(loss.detach().reshape(1), "loss (advantages too large: the surrogate overflows)")
     return loss, stats
 

@@ -30,7 +30,8 @@ __all__ = ["PolicyLossBatch", "POLICY_LOSSES", "register_policy_loss", "get_poli
 class PolicyLossBatch:
     """One piece of an update: logprobs (with gradients), old_logprobs (the rollout's), advantages: float [B, T];
     mask: bool [B, T]; segment_ids: long [B, T]; loss_agg_mode: PPOConfig's; num_slots: the largest number of
-    segments of a row (known on the host); options: the loss's own options; config: the whole PPO config."""
+    segments of a row (known on the host); options: the loss's own options; config: the whole PPO config; rollout_logprobs: the engine's own
+    sampling log-probs when the run keeps them (PPOConfig.compares_rollout_logprobs), else None."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -41,6 +42,7 @@ class PolicyLossBatch:
     num_slots: int | None
     options: Any
     config: Any = None
+    rollout_logprobs: torch.Tensor | None = None
 
 
 def _token_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: Any,
@@ -69,6 +71,7 @@ class ClippedOptions:
     clip_range: float = 0.2
     ratio_granularity: RatioGranularity = "macro"
     segment_weighting: SegmentWeighting = "tokens"
+    tis_cap: float | None = None
 
 
 def _clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: ClippedOptions,
@@ -80,4 +83,5 @@ def _clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options
 def _clipped(batch: PolicyLossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     o = batch.options
     return policy_loss(batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.segment_ids,
-                       o.clip_range, o.ratio_granularity, o.segment_weighting, batch.loss_agg_mode, batch.num_slots)
+                       o.clip_range, o.ratio_granularity, o.segment_weighting, batch.loss_agg_mode, batch.num_slots,
+                       batch.rollout_logprobs, o.tis_cap)

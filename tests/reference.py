@@ -117,9 +117,11 @@ def macro_gae_ref(rewards, values, segment_ids, gamma, lam, weighting, segment_r
     return adv, ret
 
 
-def policy_loss_ref(logprobs, old_logprobs, advantages, segment_ids, clip, granularity="macro", weighting="tokens"):
+def policy_loss_ref(logprobs, old_logprobs, advantages, segment_ids, clip, granularity="macro", weighting="tokens",
+                    rollout_logprobs=None, tis_cap=None):
     """weighting: "tokens" (segment surrogate x token count / tokens), "uniform" (mean over segments),
-    "geometric" (ratio from the mean token log-ratio, x token count / tokens)."""
+    "geometric" (ratio from the mean token log-ratio, x token count / tokens). With tis_cap, each unit's
+    surrogate x min(prod over its tokens of exp(old - rollout), tis_cap)."""
     total, tokens, clipped_units, units = 0.0, 0, 0, 0
     for b in range(len(logprobs)):
         for positions in segments_of_row(segment_ids[b]):
@@ -132,7 +134,10 @@ def policy_loss_ref(logprobs, old_logprobs, advantages, segment_ids, clip, granu
                 a = advantages[b][group[0]]
                 surrogate = -a * ratio
                 clipped = -a * min(max(ratio, 1 - clip), 1 + clip)
-                total += max(surrogate, clipped) * (1 if weighting == "uniform" else len(group))
+                tis = 1.0
+                if tis_cap is not None:
+                    tis = min(math.prod(math.exp(old_logprobs[b][t] - rollout_logprobs[b][t]) for t in group), tis_cap)
+                total += tis * max(surrogate, clipped) * (1 if weighting == "uniform" else len(group))
                 clipped_units += clipped > surrogate
                 units += 1
             tokens += len(positions)

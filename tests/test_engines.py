@@ -52,9 +52,9 @@ def test_ppo_samples_through_the_engine_and_a_registered_engine_trains_alike(tmp
 
 def test_engine_errors():
     with pytest.raises(ValueError, match="rollout_engine"):
-        PPOConfig(rollout_engine="vllm")
+        PPOConfig(rollout_engine="sglang")
     with pytest.raises(ValueError, match="rollout_engine"):
-        get_engine("vllm")
+        get_engine("sglang")
     with pytest.raises(RuntimeError, match="sync_weights"):
         HFEngine().generate(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="already registered"):

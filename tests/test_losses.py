@@ -46,6 +46,32 @@ def test_policy_loss_matches_reference(seed, granularity):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("granularity,weighting", [("macro", "tokens"), ("token", "tokens"), ("macro", "uniform"),
+                                                   ("macro", "geometric")])
+def test_truncated_importance_sampling_matches_reference(seed, granularity, weighting):
+    mask, old, new, rewards, values, g = _rollout(seed, spread=0.6)
+    # the engine's log-probs: off from the trainer's by up to ~0.5 a token, so some segments hit the cap
+    rollout = old + 0.5 * torch.randn(old.shape, generator=g, dtype=old.dtype)
+    for name, ids in _segmentations(mask, g).items():
+        adv, _ = macro_gae(rewards, values, mask, ids)
+        loss, stats = policy_loss(new, old, adv, mask, ids, clip=0.2, ratio_granularity=granularity,
+                                  segment_weighting=weighting, rollout_logprobs=rollout, tis_cap=1.5)
+        expected, _ = policy_loss_ref(new.tolist(), old.tolist(), adv.tolist(), ids.tolist(), 0.2, granularity,
+                                      weighting, rollout.tolist(), 1.5)
+        assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12), name
+        assert 0 < stats["tis_weight_mean"].item() <= 1.5
+        off, off_stats = policy_loss(new, old, adv, mask, ids, clip=0.2, ratio_granularity=granularity,
+                                     segment_weighting=weighting)
+        same, _ = policy_loss(new, old, adv, mask, ids, clip=0.2, ratio_granularity=granularity,
+                              segment_weighting=weighting, rollout_logprobs=old, tis_cap=1.5)
+        assert torch.equal(same, off) and "tis_weight_mean" not in off_stats  # on-policy engine: weights 1
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(new, old, adv, mask, ids, tis_cap=2.0)
+    with pytest.raises(ValueError, match="tis_cap"):
+        policy_loss(new, old, adv, mask, ids, rollout_logprobs=rollout, tis_cap=0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("weighting", ["tokens", "uniform", "geometric"])
 def test_segment_weightings_match_reference(seed, weighting):
     mask, old, new, rewards, values, g = _rollout(seed, spread=0.6)

@@ -135,13 +135,14 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached = None
+    keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
     with accelerator.autocast():
         response_ids, response_mask, *sampled_logprobs = run.engine.generate(
             query_ids, query_mask, row_seeds=row_seeds,
             max_new_tokens=config.max_response_length,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            return_logprobs=config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward)
+            return_logprobs=keeps_sampling_logprobs or config.compares_rollout_logprobs)
         clock["generation"] = _clock(device)
         batch = (query_ids, query_mask, response_ids, response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
@@ -149,7 +150,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
             attached = (response_logprobs(run.policy, *batch, temperature=config.scoring_temperature),
                         response_values(run.critic, *batch) if run.critic is not None else None)
             model_outputs = dict(logprobs=attached[0], values=attached[1])
-        elif sampled_logprobs:
+        elif keeps_sampling_logprobs and sampled_logprobs:
             model_outputs = dict(logprobs=sampled_logprobs[0], critic=run.critic)
         else:
             model_outputs = dict(policy=run.policy, critic=run.critic)
@@ -159,7 +160,10 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
             reward_kwargs=_record_fields(run, rows),
             chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
     clock["scoring"] = _clock(device)
-    return Experience.from_rollout(rollout, rows, attached)
+    experience = Experience.from_rollout(rollout, rows, attached)
+    if config.compares_rollout_logprobs and sampled_logprobs:  # beside the trainer's, not instead of them
+        experience.rollout_logprobs = sampled_logprobs[0].detach()
+    return experience
 
 
 def per_token_rewards(run: PPORun, experience: Experience) -> Experience:
@@ -265,10 +269,11 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
             loss, loss_stats = policy_loss.obj(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                                piece.segment_ids, config.loss_agg_mode, num_slots,
-                                                               options, config))
+                                                               options, config, piece.rollout_logprobs))
             backward(accelerator, policy, loss * weight, is_last)
         stats = {"loss/policy": loss.detach(),
-                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl") if name in loss_stats}}
+                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean")
+                    if name in loss_stats}}
     if critic is not None:
         weight = loss_units(mask, None, "tokens", config.loss_agg_mode) * processes / totals["value"]
         with accumulation_context(accelerator, critic, is_last):
@@ -314,6 +319,10 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
+    if run.config.log_rollout_logprob_diff and e.rollout_logprobs is not None:
+        diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
+        metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
+        metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     metrics = reduce_metrics(metrics, run.accelerator)

@@ -64,6 +64,10 @@ class PPOConfig(TrainingConfig):
                      "the sampling pass (one forward fewer per step, as TRL's PPO does; a KV-cached pass can differ "
                      "from a full forward, more so in bf16). One update per step takes them from the update's "
                      "forward either way")
+    log_rollout_logprob_diff: bool = option(
+        False, "also take the engine's sampling log-probs and log rollout/logprob_diff_mean and _max, |sampling - "
+               "trainer log-prob| over response tokens: how far the rollout engine's numerics are from the "
+               "trainer's (needs the trainer's own: rollout_logprobs='recompute' or one update per step)")
     forward_batch_size: int | None = option(
         None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
               "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
@@ -170,6 +174,11 @@ class PPOConfig(TrainingConfig):
         "tokens", "policy loss over macro actions: each weighted by its token count (tokens), a plain mean over "
                   "macro actions (uniform, the paper's expectation), or token-count weights on the geometric mean "
                   "of the token ratios (geometric, GSPO's length-normalised ratio)")
+    tis_cap: float | None = option(
+        None, "truncated importance sampling for an engine whose numerics differ from the trainer's: weight the "
+              "ppo loss of each unit (token, or macro action with macro ratios) by min(pi_trainer / pi_rollout, "
+              "tis_cap), the trainer's recomputed old probability over the engine's sampling one (a product over "
+              "a macro action's tokens); none: off", gt=0)
     value_clip_range: float | None = option(
         0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
     value_loss_granularity: Literal["segment", "token"] = option(
@@ -189,7 +198,8 @@ class PPOConfig(TrainingConfig):
                "(no second copy); the final policy is saved merged")
 
     HELP_SECTIONS = {
-        "sampling": ("rollout_engine", "rollout_engine_options", "rollout_logprobs", "logprob_temperature", "forward_batch_size",
+        "sampling": ("rollout_engine", "rollout_engine_options", "rollout_logprobs", "log_rollout_logprob_diff",
+                     "logprob_temperature", "forward_batch_size",
                      "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
                      "top_p", "sampling_noise", "kv_cache"),
         "macro actions": ("termination", "termination_options", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
@@ -199,7 +209,8 @@ class PPOConfig(TrainingConfig):
                                    "grpo_normalize_std", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
                                    "gamma", "lam", "lam_critic", "lam_schedule", "lam_alpha", "critic_warmup_steps",
                                    "value_weighting", "segment_reward", "whiten_advantages"),
-        "losses": ("policy_loss", "policy_loss_options", "clip_range", "ratio_granularity", "segment_weighting", "loss_agg_mode", "value_clip_range",
+        "losses": ("policy_loss", "policy_loss_options", "clip_range", "ratio_granularity", "segment_weighting",
+                   "tis_cap", "loss_agg_mode", "value_clip_range",
                    "value_loss_granularity"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
@@ -233,6 +244,17 @@ class PPOConfig(TrainingConfig):
         if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
             raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
+        if self.compares_rollout_logprobs:
+            what = "log_rollout_logprob_diff" if self.log_rollout_logprob_diff else "tis_cap"
+            if self.rollout_logprobs == "sampling" and not self.reuses_rollout_forward:
+                raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
+                                 "rollout_logprobs='sampling' does not compute: use rollout_logprobs='recompute'")
+            if self.logprob_temperature == "raw":
+                raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
+                                 "logits / temperature)")
+        if self.tis_cap is not None and "tis_cap" not in self.plugin("policy_loss").option_names:
+            raise ValueError(f"tis_cap is an option of the ppo policy loss; policy_loss={self.policy_loss!r} does "
+                             "not take it")
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide "
                              f"mini_batch_size ({self.mini_batch_size})")
@@ -253,6 +275,11 @@ class PPOConfig(TrainingConfig):
     def scoring_temperature(self) -> float:
         """The temperature log-probs are taken at (ratio, KL penalty, perplexity rule)."""
         return self.temperature if self.logprob_temperature == "sampling" else 1.0
+
+    @property
+    def compares_rollout_logprobs(self) -> bool:
+        """Whether the engine's sampling log-probs are kept beside the trainer's (the diff metrics, TIS)."""
+        return self.log_rollout_logprob_diff or self.tis_cap is not None
 
     @property
     def uses_critic(self) -> bool:

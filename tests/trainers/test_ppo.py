@@ -420,3 +420,35 @@ def test_prompts_as_strings_train_like_records(tmp_path, make_tiny_causal_lm, ti
         train_ppo(_config(tmp_path, output_dir=str(tmp_path / name), max_steps=1), prompts,
                   policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
     assert _metrics_without_timings(tmp_path / "strings") == _metrics_without_timings(tmp_path / "records")
+
+
+def test_rollout_logprob_diff_only_adds_its_metrics(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    """The hf engine's KV-cached sampling pass against the trainer's full forward: the same numbers up to float32
+    rounding; asking for them changes nothing else (same tokens, same updates)."""
+    metrics = {}
+    for name, extra in (("default", {}), ("diff", dict(log_rollout_logprob_diff=True))):
+        train_ppo(_config(tmp_path / name, **extra), RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer,
+                  reward_fn=count_e)
+        metrics[name] = _metrics_without_timings(tmp_path / name / "ppo")
+    for default, diff in zip(metrics["default"], metrics["diff"]):
+        assert not any(key.startswith("rollout/") for key in default)
+        assert {key: value for key, value in diff.items() if not key.startswith("rollout/")} == default
+        assert 0 <= diff["rollout/logprob_diff_mean"] <= diff["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_truncated_importance_sampling_runs(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    config = _config(tmp_path, tis_cap=2.0, ngram=3, per_device_batch_size=8, mini_batch_size=4)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert all(m["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3) for m in metrics)  # hf: on-policy
+    assert "rollout/logprob_diff_mean" not in metrics[0]
+
+
+def test_rollout_logprob_options_errors():
+    with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
+        PPOConfig(log_rollout_logprob_diff=True, rollout_logprobs="sampling", mini_batch_size=4)
+    with pytest.raises(ValueError, match="logprob_temperature='sampling'"):
+        PPOConfig(tis_cap=2.0, logprob_temperature="raw")
+    with pytest.raises(ValueError, match="tis_cap must be > 0|tis_cap.*> 0"):
+        PPOConfig(tis_cap=0.0)
+    assert PPOConfig(tis_cap=2.0).plugin_options("policy_loss").tis_cap == 2.0

