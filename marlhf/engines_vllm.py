@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from marlhf.engines import EngineContext, VLLMOptions
-from marlhf.rollout import response_mask_from_ids
+from marlhf.rollout import check_sampling, response_mask_from_ids
 
 __all__ = ["VLLMEngine", "MISSING", "check_vllm"]
 
@@ -168,14 +168,7 @@ class VLLMEngine:
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int,
                  return_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-        if max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
         if self.policy is None:
             raise RuntimeError("sync_weights(policy) must be called before generate")
         if self.llm is None:

@@ -155,6 +155,18 @@ class SampledTokenLogprobs(LogitsProcessor):
 
 
 @torch.no_grad()
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """The sampling arguments every rollout engine takes, checked the same way for all."""
+    if max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
+
+
 def generate_responses(
     policy: nn.Module,
     query_ids: torch.Tensor,
@@ -183,14 +195,7 @@ def generate_responses(
     prompt + max_new_tokens (`static`: no per-token copies), or static with the decode step's forward compiled
     by torch.compile (`static_compiled`, on any device; the first call compiles). `static` stays eager even on
     GPUs, where transformers would otherwise compile a static-cache decode by itself."""
-    if max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     if row_seeds is None:
         row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
     if len(row_seeds) != query_ids.shape[0]:

@@ -80,18 +80,7 @@ def sigma_ref(size: int, weighting: str) -> list[float]:
 
 
 def token_gae_ref(rewards, values, lengths, gamma, lam):
-    batch, width = len(rewards), len(rewards[0])
-    adv = [[0.0] * width for _ in range(batch)]
-    ret = [[0.0] * width for _ in range(batch)]
-    for b in range(batch):
-        last = 0.0
-        for t in reversed(range(lengths[b])):
-            next_value = values[b][t + 1] if t + 1 < lengths[b] else 0.0
-            delta = rewards[b][t] + gamma * next_value - values[b][t]
-            last = delta + gamma * lam * last
-            adv[b][t] = last
-            ret[b][t] = last + values[b][t]
-    return adv, ret
+    return token_gae_schedule_ref(rewards, values, lengths, gamma, [[lam] * len(row) for row in rewards])
 
 
 def macro_gae_ref(rewards, values, segment_ids, gamma, lam, weighting, segment_reward="sum"):

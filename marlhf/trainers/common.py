@@ -34,6 +34,7 @@ import dataclasses
 import math
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -421,3 +422,25 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
         model = merge_lora(accelerator.unwrap_model(model))
     save_final_model(model, tokenizer, config.output_dir, accelerator)
     return accelerator.unwrap_model(model)
+
+
+# ---- rows of all processes, and device-synchronised time (PPO's stages)
+def gather_rows(accelerator, x: torch.Tensor) -> torch.Tensor:
+    """The rows of every process stacked in process order ([B, T] rows right-padded to one width)."""
+    if x.dim() == 2:
+        x = accelerator.pad_across_processes(x, dim=1)
+    return accelerator.gather(x)
+
+
+def own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This process's rows of a `gather_rows` result, cut to the width of `like`."""
+    start = accelerator.process_index * like.shape[0]
+    x = x[start : start + like.shape[0]]
+    return x[:, : like.shape[1]] if x.dim() == 2 else x
+
+
+def device_clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -49,7 +49,6 @@ backward and steps once per mini-batch (marlhf.trainers.common.backward, optimiz
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
@@ -73,9 +72,9 @@ from marlhf.rollout import RewardFn, response_logprobs, response_values, score_r
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.ppo_config import PLUGINS
-from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, make_accelerator,
-                                    maybe_save_checkpoint, optimizer_step, records_from_config, save_final_model,
-                                    start_run)
+from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
+                                    make_accelerator, maybe_save_checkpoint, optimizer_step, own_rows,
+                                    records_from_config, save_final_model, start_run)
 from marlhf.trainers.experience import Experience
 from marlhf.trainers.ppo_config import PPOConfig
 from marlhf.trainers.ppo_setup import build_models, prepare_training, tokenize_prompts
@@ -143,7 +142,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             return_logprobs=keeps_sampling_logprobs or config.compares_rollout_logprobs)
-        clock["generation"] = _clock(device)
+        clock["generation"] = device_clock(device)
         batch = (query_ids, query_mask, response_ids, response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
@@ -159,7 +158,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
             reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
             reward_kwargs=_record_fields(run, rows),
             chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
-    clock["scoring"] = _clock(device)
+    clock["scoring"] = device_clock(device)
     experience = Experience.from_rollout(rollout, rows, attached)
     if config.compares_rollout_logprobs and sampled_logprobs:  # beside the trainer's, not instead of them
         experience.rollout_logprobs = sampled_logprobs[0].detach()
@@ -184,8 +183,8 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     rule, options = run.plugins["termination"]
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, options,
-                              seed=_seed(config.seed, step), gather_rows=lambda x: _gather_rows(accelerator, x),
-                              own_rows=lambda x: _own_rows(accelerator, x, like=mask), config=config)
+                              seed=_seed(config.seed, step), gather_rows=lambda x: gather_rows(accelerator, x),
+                              own_rows=lambda x: own_rows(accelerator, x, like=mask), config=config)
     segment_ids, stats = segment(rule, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
@@ -199,11 +198,11 @@ def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
     estimator, options = run.plugins["advantage"]
     advantages, returns = estimator.obj(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, options,
-        gather_rows=lambda x: _gather_rows(accelerator, x), own_rows=lambda x: _own_rows(accelerator, x, like=mask),
+        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
         config=run.config))
     if run.config.whiten_advantages:
-        all_advantages = whiten(_gather_rows(accelerator, advantages), _gather_rows(accelerator, mask))
-        advantages = _own_rows(accelerator, all_advantages, like=mask)
+        all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
+        advantages = own_rows(accelerator, all_advantages, like=mask)
     return dataclasses.replace(experience, advantages=advantages, returns=returns)
 
 
@@ -314,7 +313,7 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         "time/generation": clock["generation"] - clock["start"],
         "time/scoring": clock["scoring"] - clock["generation"],
         "time/update": clock["update"] - clock["scoring"],
-        "time/step_seconds": _clock(run.accelerator.device) - clock["start"],
+        "time/step_seconds": device_clock(run.accelerator.device) - clock["start"],
         "train/skipped_steps": sum(guard.skipped for *_, guard in run.updaters),
     }
     if e.returns is not None:
@@ -369,7 +368,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
-        clock = {"start": _clock(accelerator.device)}
+        clock = {"start": device_clock(accelerator.device)}
         experience = make_experience(run, step, clock)  # 1. sample and score
         experience = per_token_rewards(run, experience)  # 2.
         experience = macro_actions(run, experience, step)  # 3.
@@ -377,7 +376,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
         if kl_control is not None:
             adapt_kl_coef(run, experience)
-        clock["update"] = _clock(accelerator.device)
+        clock["update"] = device_clock(accelerator.device)
 
         done = step + 1  # 6. metrics and checkpoint
         if done % config.logging_steps == 0 or done == plan.total_steps:
@@ -420,24 +419,3 @@ def _check_update_inputs(experience: Experience) -> None:
 def _seed(*numbers: int) -> int:
     """A well-mixed 32-bit seed from several integers (run seed, step, row)."""
     return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
-
-
-def _gather_rows(accelerator, x: torch.Tensor) -> torch.Tensor:
-    """The rows of every process stacked in process order ([B, T] rows right-padded to one width)."""
-    if x.dim() == 2:
-        x = accelerator.pad_across_processes(x, dim=1)
-    return accelerator.gather(x)
-
-
-def _own_rows(accelerator, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This process's rows of a `_gather_rows` result, cut to the width of `like`."""
-    start = accelerator.process_index * like.shape[0]
-    x = x[start : start + like.shape[0]]
-    return x[:, : like.shape[1]] if x.dim() == 2 else x
-
-
-def _clock(device: torch.device) -> float:
-    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -320,14 +320,14 @@ class PPOConfig(TrainingConfig):
         set away from their defaults need the hf engine (another engine samples its own way); the other kinds'
         options may stay set for a plug-in not chosen (configs keep parsing_language for `--termination
         parsing`)."""
-        for option in PLUGINS:
-            plugin = self.plugin(option)  # an unknown name or a path that does not import stops here
-            block = getattr(self, f"{option}_options") or {}
+        for kind in PLUGINS:
+            self.plugin(kind)  # an unknown name or a path that does not import stops here
+            block = getattr(self, f"{kind}_options") or {}
             flat = sorted(set(block) & self._field_set())
             if flat:
-                raise ValueError(f"{option}_options: {flat[0]!r} is a PPO option: set it as {flat[0]} (or in a "
-                                 f"'{option}: {{name: ..., {flat[0]}: ...}}' block of a YAML config)")
-            self.plugin_options(option)  # unknown keys and wrong types stop here
+                raise ValueError(f"{kind}_options: {flat[0]!r} is a PPO option: set it as {flat[0]} (or in a "
+                                 f"'{kind}: {{name: ..., {flat[0]}: ...}}' block of a YAML config)")
+            self.plugin_options(kind)  # unknown keys and wrong types stop here
         engine, hf = self.plugin("rollout_engine"), PLUGINS["rollout_engine"].get("hf")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in set(hf.option_names) - set(engine.option_names):
@@ -341,26 +341,26 @@ class PPOConfig(TrainingConfig):
         the command line), becomes the option naming it, PPO's own options in the block, and its
         `<option>_options` with the rest."""
         fields = cls._field_set()
-        for option in PLUGINS:
-            block = values.get(option)
+        for kind in PLUGINS:
+            block = values.get(kind)
             if isinstance(block, str) and block.lstrip().startswith("{"):
-                block = coerce_option(option, block, dict[str, Any])
+                block = coerce_option(kind, block, dict[str, Any])
             if not isinstance(block, dict):
                 continue
             block = dict(block)
             if "name" not in block:
-                raise ValueError(f"{option}: a block needs the plug-in's name, e.g. '{option}: {{name: ..., ...}}'")
-            values[option] = block.pop("name")
-            extra = dict(values.get(f"{option}_options") or {})
+                raise ValueError(f"{kind}: a block needs the plug-in's name, e.g. '{kind}: {{name: ..., ...}}'")
+            values[kind] = block.pop("name")
+            extra = dict(values.get(f"{kind}_options") or {})
             for key, value in block.items():
                 if key not in fields:
                     extra[key] = value
                 elif key in values and values[key] != value:
-                    raise ValueError(f"{key} is given twice: {values[key]!r} and {value!r} in the {option} block")
+                    raise ValueError(f"{key} is given twice: {values[key]!r} and {value!r} in the {kind} block")
                 else:
                     values[key] = value
             if extra:
-                values[f"{option}_options"] = extra
+                values[f"{kind}_options"] = extra
         return values
 
     @classmethod
@@ -368,7 +368,7 @@ class PPOConfig(TrainingConfig):
         """The options, then the registered plug-ins of each kind with the options each takes (a plug-in named by
         dotted path on the command line is imported first, so it is listed too: import_named_plugins)."""
         super().add_arguments(parser)
-        for option, registry in PLUGINS.items():
-            parser.add_argument_group(f"{option} plug-ins (name (option=default, ...))",
+        for kind, registry in PLUGINS.items():
+            parser.add_argument_group(f"{kind} plug-ins (name (option=default, ...))",
                                       "; ".join(registry.get(name).describe() for name in registry.names()))
 

@@ -4,7 +4,6 @@ values, the tuning and decision rules on made-up result files, and the tiny vers
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
