@@ -25,6 +25,10 @@ How it meets the conventions of :mod:`marlhf.engines`:
 - `sync_weights(policy)`: `reload_weights` on the worker with an iterator over the policy's parameters (no
   second copy of the model: each tensor is copied into vLLM's parameter as it comes), then
   `reset_prefix_cache()` so no KV cache computed with the old weights is reused.
+- A peft (LoRA) policy (`use_lora=True`): vLLM gets the merged model, base + B @ A * scale under the base
+  model's parameter names, each merged tensor computed as the iterator reaches it (so at most one extra tensor
+  at a time, and the adapters and base weights are only read); the first build writes the merged weights as a
+  checkpoint with one safetensors file per decoder layer, since `save_pretrained` would write the adapters only.
 """
 
 from __future__ import annotations
