@@ -6,6 +6,8 @@
 # same run, ppo_step.py's phases against the float32 GEMM peak (model-FLOPs utilisation) and generation.py's
 # sampling options (sampling_noise x kv_cache) side by side, and vs_trl.py's comparisons with TRL (PPO against
 # TRL 0.26, GRPO and RLOO against TRL 1.16, on the GPU) for each TRL venv that exists (.venv-trl, .venv-trl116).
+# When vLLM imports in VLLM_PYTHON (default .venv-vllm/bin/python if it exists, else PYTHON; vLLM needs its own
+# venv, docs/vllm.md), generation.py and ppo_step.py once more with --engine vllm.
 #
 #   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
 #   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
@@ -13,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+VLLM_PYTHON=${VLLM_PYTHON:-$([ -x .venv-vllm/bin/python ] && echo .venv-vllm/bin/python || echo "$PYTHON")}
 TINY=0
 if [[ "${1:-}" == "--tiny" ]]; then TINY=1; fi
 TINY=$TINY BATCH=${BATCH:-32} NEW_TOKENS=${NEW_TOKENS:-128} STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} \
@@ -92,6 +95,13 @@ echo; echo "== PPO step phases against the float32 GEMM peak (benchmarks/ppo_ste
 TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/ppo_step.py "${STEP_ARGS[@]}"
 echo; echo "== sampling options side by side (benchmarks/generation.py)"
 TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" benchmarks/generation.py "${GEN_ARGS[@]}"
+echo; echo "== the vllm rollout engine (generation.py and ppo_step.py with --engine vllm)"
+if "$VLLM_PYTHON" -c "import vllm" >/dev/null 2>&1; then
+  TQDM_DISABLE=1 PYTHONPATH=. "$VLLM_PYTHON" benchmarks/generation.py --engine vllm "${GEN_ARGS[@]}"
+  TQDM_DISABLE=1 PYTHONPATH=. "$VLLM_PYTHON" benchmarks/ppo_step.py --engine vllm "${STEP_ARGS[@]}"
+else
+  echo "skipped: vllm does not import in $VLLM_PYTHON (make a vLLM venv as docs/vllm.md says; VLLM_PYTHON=...)"
+fi
 if [[ $TINY == 1 ]]; then
   PPO_ARGS=(--batch 2 --new-tokens 8 --steps 1 --warmup 0)
   GROUP_ARGS=(--batch 2 --generations 2 --new-tokens 8 --steps 1 --warmup 0)

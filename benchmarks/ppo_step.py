@@ -14,7 +14,12 @@ hidden x context per token), over its mean wall time, against the machine's floa
 the same run by a large GEMM (best of several). Padding tokens and non-matmul work count as overhead, as in
 the usual model-FLOPs utilisation.
 
-    python benchmarks/ppo_step.py [--batch 16] [--new-tokens 64] [--steps 6] [--warmup 2] [--ngram 5] [--threads N]
+`--engine vllm`: the rollouts come from the vllm rollout engine (marlhf.engines_vllm; run in the vLLM venv,
+docs/vllm.md), synced with the policy after each update; its LLM is built in the first step's generation,
+which the warm-up drops. `--engine hf` (default): the hf engine.
+
+    python benchmarks/ppo_step.py [--engine hf|vllm] [--batch 16] [--new-tokens 64] [--steps 6] [--warmup 2]
+                                  [--ngram 5] [--threads N] [--kv-cache-gib 1]
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--gemm-size", type=int, default=None,
                         help="side of the GEMM that measures the matmul peak (default: 2048 on CPU, 8192 on GPU)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="vllm on CPU: VLLM_CPU_KVCACHE_SPACE")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -128,19 +135,21 @@ def main() -> None:
                for _ in range(args.batch * 4)]
     num_parameters = sum(p.numel() for p in policy.parameters())
 
+    engine_options = {"kv_cache_gib": args.kv_cache_gib} if args.engine == "vllm" else {}
     with tempfile.TemporaryDirectory() as output_dir:
         config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=args.batch,
                            mini_batch_size=args.mini_batch, max_prompt_length=64, max_response_length=args.new_tokens,
                            max_length=64 + args.new_tokens, max_steps=args.warmup + args.steps, ngram=args.ngram,
-                           save_steps=0, learning_rate=1e-5, critic_learning_rate=1e-5)
+                           save_steps=0, learning_rate=1e-5, critic_learning_rate=1e-5, rollout_engine=args.engine,
+                           rollout_engine_options=engine_options)
         train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
         metrics = read_metrics(output_dir)[args.warmup:]
     peak = matmul_peak_flops(args.gemm_size or (8192 if torch.cuda.is_available() else 2048))
 
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(f"policy {num_parameters / 1e6:.1f}M parameters (x4 models), batch {args.batch}, "
-          f"{args.new_tokens} new tokens, mini-batch {args.mini_batch}, n={args.ngram}, {device}, "
-          f"{len(metrics)} steps after {args.warmup} warm-up")
+          f"{args.new_tokens} new tokens, mini-batch {args.mini_batch}, n={args.ngram}, {args.engine} engine, "
+          f"{device}, {len(metrics)} steps after {args.warmup} warm-up")
     mean_length = statistics.mean(m["objective/response_length"] for m in metrics)
     print(f"mean response length {mean_length:.1f} tokens")
     step_mean = statistics.mean(m["time/step_seconds"] for m in metrics)

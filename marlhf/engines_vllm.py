@@ -25,12 +25,17 @@ How it meets the conventions of :mod:`marlhf.engines`:
 - `sync_weights(policy)`: `reload_weights` on the worker with an iterator over the policy's parameters (no
   second copy of the model: each tensor is copied into vLLM's parameter as it comes), then
   `reset_prefix_cache()` so no KV cache computed with the old weights is reused.
+- A peft (LoRA) policy (`use_lora=True`): vLLM gets the merged model, base + B @ A * scale under the base
+  model's parameter names, each merged tensor computed as the iterator reaches it (so at most one extra tensor
+  at a time, and the adapters and base weights are only read); the first build writes the merged weights as a
+  checkpoint with one safetensors file per decoder layer, since `save_pretrained` would write the adapters only.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 
@@ -79,11 +84,92 @@ def _restore_rng_states(states) -> None:
     torch.set_rng_state(states[2])
 
 
+def _is_peft(policy: nn.Module) -> bool:
+    return hasattr(policy, "peft_config") and hasattr(policy, "get_base_model")
+
+
+def _peft_merged_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft (LoRA) model's weights as the merged plain model's, under the base model's parameter names: for
+    each LoRA layer `base_layer.weight + sum of its active, unmerged adapters' B @ A * scale`, computed one
+    tensor at a time as it is handed out (never a merged copy of the model; the adapters and base weights are
+    only read). Other tensors are the model's own; the adapters' own tensors are left out."""
+    from peft.tuners.lora import LoraLayer
+
+    base = policy.get_base_model()
+    lora = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    adapter_keys = {f"{prefix}.{key}" for prefix, module in lora.items() for key in module.state_dict()
+                    if not key.startswith("base_layer.")}
+    for name, tensor in base.state_dict(keep_vars=False).items():
+        if name in adapter_keys:
+            continue
+        if "modules_to_save" in name or "original_module" in name:
+            raise NotImplementedError(f"vLLM weight sync of peft modules_to_save ({name}) is not supported")
+        if ".base_layer." not in name:
+            yield name, tensor.detach()
+            continue
+        prefix, rest = name.split(".base_layer.", 1)
+        module = lora[prefix]
+        tensor = tensor.detach()
+        if rest == "weight" and not module.disable_adapters:
+            adapters = [a for a in module.active_adapters if a in module.lora_A and a not in module.merged_adapters]
+            if adapters:
+                with torch.no_grad():
+                    merged = tensor.clone()
+                    for adapter in adapters:
+                        merged += module.get_delta_weight(adapter).to(merged.dtype)
+                tensor = merged
+        yield f"{prefix}.{rest}", tensor
+
+
 def _policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs in checkpoint (transformers) format, one at a time: the policy's own tensors, which
-    vLLM's `load_weights` copies into its parameters, so no second copy of the model is ever held."""
+    vLLM's `load_weights` copies into its parameters, so no second copy of the model is ever held. A peft
+    model gives its merged weights under the base model's names, one merged tensor at a time."""
+    if _is_peft(policy):
+        yield from _peft_merged_weights(policy)
+        return
     for name, tensor in policy.state_dict(keep_vars=False).items():
         yield name, tensor.detach()
+
+
+def _bucket(name: str) -> str:
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return f"layer{int(match.group(1)):05d}" if match else "other"
+
+
+def _save_merged_checkpoint(policy: nn.Module, directory: str) -> None:
+    """A peft policy's merged weights as a safetensors checkpoint vLLM can load, one file per decoder layer
+    (plus one for the rest) with its index: only one bucket's tensors are held at a time."""
+    import json
+
+    from safetensors.torch import save_file
+
+    base = policy.get_base_model()
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    weight_map: dict[str, str] = {}
+    buckets: dict[str, dict[str, torch.Tensor]] = {}
+    current = None
+
+    def flush(bucket: str) -> None:
+        filename = f"model-{bucket}.safetensors"
+        tensors = buckets.pop(bucket)
+        # clone: tied tensors (embeddings / lm_head) must not share storage in a safetensors file
+        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, os.path.join(directory, filename),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, filename))
+
+    for name, tensor in _peft_merged_weights(policy):
+        bucket = _bucket(name)
+        if current is not None and bucket != current and current != "other":
+            flush(current)
+        current = bucket
+        buckets.setdefault(bucket, {})[name] = tensor
+    for bucket in list(buckets):
+        flush(bucket)
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"metadata": {}, "weight_map": weight_map}, handle)
 
 
 class VLLMEngine:
@@ -119,7 +205,10 @@ class VLLMEngine:
         import vllm
 
         self._tmpdir = tempfile.TemporaryDirectory(prefix="marlhf_vllm_")
-        policy.save_pretrained(self._tmpdir.name, safe_serialization=True)
+        if _is_peft(policy):  # save_pretrained would save the adapters only: the merged weights instead
+            _save_merged_checkpoint(policy, self._tmpdir.name)
+        else:
+            policy.save_pretrained(self._tmpdir.name, safe_serialization=True)
         lengths = [n for n in (options.max_model_len, getattr(self.config, "max_length", None),
                                getattr(policy.config, "max_position_embeddings", None)) if n is not None]
         kwargs = dict(model=self._tmpdir.name, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",

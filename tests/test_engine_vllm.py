@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from marlhf.engines import EngineContext, VLLMOptions, get_engine, make_engine
 from marlhf.engines_vllm import VLLMEngine
 from marlhf.logging_utils import read_metrics
-from marlhf.modeling import ScalarHeadModel
+from marlhf.modeling import ScalarHeadModel, add_lora
 from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.killed_run import run_until_killed
@@ -184,6 +184,32 @@ def test_sync_weights_pushes_new_weights(setup):
     assert torch.equal(restored, before)
 
 
+@needs_vllm
+def test_sync_weights_of_a_lora_model_sends_the_merged_weights(setup):
+    """A peft policy: vLLM gets base + B @ A * scale under the base names; the adapters and base stay as they are."""
+    engine, model, query_ids, query_mask, _ = setup
+    peft_model = add_lora(copy.deepcopy(model), r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    with torch.no_grad():  # B starts at zero: move the adapters so that the merged model differs from the base
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    before = {name: tensor.clone() for name, tensor in peft_model.state_dict().items()}
+    engine.sync_weights(peft_model)
+    try:
+        ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
+        with torch.no_grad():
+            expected = response_logprobs(peft_model, query_ids, query_mask, ids, mask,
+                                         temperature=SAMPLING["temperature"])
+            base = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=SAMPLING["temperature"])
+        assert (logprobs - expected).abs().max().item() < TOL
+        assert (logprobs - base).abs().max().item() > 1e-2  # the adapters are in vLLM's weights
+        after = peft_model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        assert not any(getattr(module, "merged", False) for module in peft_model.modules())
+    finally:
+        engine.sync_weights(model)
+
+
 # ---- PPO / MA-PPO with the vllm engine --------------------------------------------------------------------------
 def count_e(prompts: list[str], responses: list[str]) -> list[float]:
     return [float(response.count("e")) for response in responses]
@@ -248,3 +274,16 @@ def test_killed_vllm_run_resumes_like_the_uninterrupted_run(tmp_path, tiny_token
 
     assert [m["step"] for m in metrics("crashed")] == [1, 2, 3]
     assert metrics("crashed") == metrics("straight")
+
+
+@needs_vllm
+def test_ppo_with_lora_and_the_vllm_engine(tmp_path, tiny_tokenizer):
+    """The engine is built from the peft policy's merged weights and synced with them after each update: its
+    log-probs match the trainer's forward of the LoRA policy at every step."""
+    config = _ppo_config(tmp_path, use_lora=True, max_steps=2, log_rollout_logprob_diff=True)
+    train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
+              reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < TOL
