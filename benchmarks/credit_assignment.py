@@ -243,6 +243,25 @@ def write_result(path: Path, result: dict) -> Path:
     return path
 
 
+def run_in_pool(calls: dict[tuple, tuple], workers: int, desc: str) -> int:
+    """Run {job: (function, arguments)} in `workers` spawned processes, printing each result file or failure;
+    returns the number of failed runs (one failed run does not stop the others: it is rerun next time)."""
+    from tqdm.auto import tqdm
+
+    failed = 0
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(function, *args): job for job, (function, args) in calls.items()}
+        for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc=desc):
+            job = futures[future]
+            try:
+                tqdm.write(f"done {'/'.join(map(str, job))}: {future.result()}")
+            except Exception as error:
+                failed += 1
+                tqdm.write(f"FAILED {'/'.join(map(str, job))}: {type(error).__name__}: {error}")
+    return failed
+
+
 def result_path(results: Path, task: str, setup: str, cell: str, seed: int) -> Path:
     return results / task / setup / cell / f"seed{seed}.json"
 
@@ -601,19 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.max_runs is not None:
         jobs = jobs[: arguments.max_runs]
     if not arguments.summarize and jobs:
-        from tqdm.auto import tqdm
-
-        failed = 0
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(arguments.workers, mp_context=context) as pool:
-            futures = {pool.submit(run_one, *job, str(work), str(results), arguments.quick): job for job in jobs}
-            for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="grid runs"):
-                job = futures[future]
-                try:
-                    tqdm.write(f"done {'/'.join(map(str, job))}: {future.result()}")
-                except Exception as error:  # one failed run must not stop the grid; it is rerun next time
-                    failed += 1
-                    tqdm.write(f"FAILED {'/'.join(map(str, job))}: {type(error).__name__}: {error}")
+        failed = run_in_pool({job: (run_one, (*job, str(work), str(results), arguments.quick)) for job in jobs},
+                             arguments.workers, "grid runs")
         if failed:
             print(f"{failed} runs failed (see above); they run again next time", file=sys.stderr)
     summary = summarize_and_plot(results, cells, exploratory=bool(arguments.cells))

@@ -41,11 +41,9 @@ models and run directories live in WORK (not committed). Two runs at a time (`--
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -428,21 +426,9 @@ def summarize(design: Design, results_dir: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def _run(jobs: list[tuple], design: Design, choices: dict | None, work: Path, results: Path, workers: int) -> int:
-    from tqdm.auto import tqdm
-
-    failed = 0
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = {pool.submit(run_job, job, job_options(job, design, choices), str(work), str(results), design.quick):
-                   job for job in jobs}
-        for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="study II runs"):
-            job = futures[future]
-            try:
-                tqdm.write(f"done {'/'.join(map(str, job))}: {future.result()}")
-            except Exception as error:  # one failed run must not stop the grid; it is rerun next time
-                failed += 1
-                tqdm.write(f"FAILED {'/'.join(map(str, job))}: {type(error).__name__}: {error}")
-    return failed
+    calls = {job: (run_job, (job, job_options(job, design, choices), str(work), str(results), design.quick))
+             for job in jobs}
+    return study_one.run_in_pool(calls, workers, "study II runs")
 
 
 def main(argv: list[str] | None = None) -> int:
