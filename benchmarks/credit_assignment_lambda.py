@@ -182,11 +182,18 @@ def run_job(job: tuple, options: dict, work: str, results: str, quick: bool) -> 
 
 # ---------------------------------------------------------------------------------------------- analysis
 def load_results(results: Path) -> dict[tuple, dict]:
-    """{(phase, task, setup, arm, build, seed): result} of every result file."""
-    out = {}
+    """{(phase, task, setup, arm, build, seed): result} of every result file. The runs of one task and build must
+    share their SFT and reward models (the hashes each file records): a build made again on another machine could
+    differ, and its runs would then not be comparable; that is an error naming both."""
+    out, models = {}, {}
     for path in sorted(results.glob("*/*/*/*/build*-seed*.json")):
         r = json.loads(path.read_text())
         out[(r["phase"], r["task"], r["setup"], r["arm"], r["build"], r["seed"])] = r
+        hashes = (r.get("sft_sha256"), r.get("reward_sha256"))
+        first = models.setdefault((r["task"], r["build"]), (hashes, path))
+        if first[0] != hashes:
+            raise ValueError(f"{path} and {first[1]} come from different models of {r['task']} build {r['build']} "
+                             f"({hashes} vs {first[0]}): the build was made again differently")
     return out
 
 

@@ -44,12 +44,13 @@ def test_the_design_is_the_pre_registered_one():
     assert vapo["lam_schedule"] == "length_adaptive" and vapo["lam_alpha"] == 0.1 and vapo["kl_target"] == 9.0
 
 
-def _write(results: Path, job: tuple, gold: float, sft: float = 0.0) -> None:
+def _write(results: Path, job: tuple, gold: float, sft: float = 0.0, sft_sha256: str = "a") -> None:
     path = study.result_path(results, job)
     path.parent.mkdir(parents=True, exist_ok=True)
     phase, task, setup, arm, build, seed = job
     path.write_text(json.dumps({
         "phase": phase, "task": task, "setup": setup, "arm": arm, "build": build, "seed": seed,
+        "sft_sha256": sft_sha256, "reward_sha256": "b",
         "held_out": {"gold_reward": gold}, "sft_held_out": {"gold_reward": sft}, "run_seconds": 1.0,
         "curves": {"gold_reward": [sft, gold], "objective/kl": [0.0, 5.0]}}))
 
@@ -118,3 +119,14 @@ def test_quick_study_runs_resumes_and_summarizes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 runs, 4 done, 0 to run" in out and "10 runs, 10 done, 0 to run" in out
     assert {f: f.stat().st_mtime_ns for f in files} == before
+
+
+def test_runs_of_one_build_must_share_their_models(tmp_path):
+    _write(tmp_path, ("tuning", "task1", "gold_sft", "ppo+lam1", 0, 0), 0.5)
+    _write(tmp_path, ("tuning", "task1", "rm_rm", "ppo+lam1", 0, 1), 0.5)
+    _write(tmp_path, ("confirmation", "task1", "gold_sft", "ppo", 1, 10), 0.5, sft_sha256="other")  # another build
+    assert len(study.load_results(tmp_path)) == 3
+    _write(tmp_path, ("tuning", "task1", "gold_sft", "ppo+lam1", 0, 1), 0.5, sft_sha256="rebuilt")
+    with pytest.raises(ValueError, match="different models of task1 build 0"):
+        study.load_results(tmp_path)
+
