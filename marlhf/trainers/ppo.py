@@ -225,7 +225,7 @@ def ppo_update(run: PPORun, experience: Experience, train_policy: bool = True) -
             order = torch.randperm(config.rollout_size).tolist()  # a CPU tensor: no device read
             for start in range(0, config.rollout_size, config.mini_batch_size):
                 mini_batch_rows = order[start : start + config.mini_batch_size]
-                totals = _mini_batch_loss_units(run, experience.select(mini_batch_rows))
+                totals = _mini_batch_loss_units(run, experience, mini_batch_rows)
                 # Rows of similar length share a piece and the columns all its rows pad are cut: the update is
                 # a token sum, which does not depend on how the mini-batch is split.
                 for is_last, piece_rows, piece in experience.pieces(mini_batch_rows, run.piece_size):
@@ -238,16 +238,19 @@ def ppo_update(run: PPORun, experience: Experience, train_policy: bool = True) -
     return update_stats
 
 
-def _mini_batch_loss_units(run: PPORun, mini_batch: Experience) -> dict[str, torch.Tensor]:
-    """What the losses average over in the mini-batch on all processes (tokens, or segments or responses: the
-    policy loss's `units`). Weighting each piece's mean loss by its share of them makes the update one mean over
-    the whole mini-batch (DDP averages the processes' gradients, hence num_processes in `_update_piece`)."""
-    config, accelerator, mask = run.config, run.accelerator, mini_batch.response_mask
+def _mini_batch_loss_units(run: PPORun, experience: Experience, rows: list[int]) -> dict[str, torch.Tensor]:
+    """What the losses average over in the mini-batch `rows` on all processes (tokens, or segments or responses:
+    the policy loss's `units`). Weighting each piece's mean loss by its share of them makes the update one mean
+    over the whole mini-batch (DDP averages the processes' gradients, hence num_processes in `_update_piece`).
+    Only the mask and segment ids are indexed: the other fields are not needed here."""
+    config, accelerator = run.config, run.accelerator
+    index = torch.tensor(rows, device=experience.response_mask.device)
+    mask, segment_ids = experience.response_mask[index], experience.segment_ids[index]
     totals = {}
     if run.critic is not None:
         totals["value"] = accelerator.reduce(loss_units(mask, None, "tokens", config.loss_agg_mode), reduction="sum")
     policy_loss, options = run.plugins["policy_loss"]
-    totals["policy"] = accelerator.reduce(policy_loss.units(mask, mini_batch.segment_ids, options,
+    totals["policy"] = accelerator.reduce(policy_loss.units(mask, segment_ids, options,
                                                             config.loss_agg_mode), reduction="sum")
     return totals
 
