@@ -80,7 +80,8 @@ def main() -> None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         if (noise, cache) == VLLM:
-            response_ids, response_mask = engine.generate(query_ids, query_mask, **sampling)
+            generation = engine.generate(query_ids, query_mask, **sampling)
+            response_ids, response_mask = generation.response_ids, generation.response_mask
         else:
             response_ids, response_mask = generate_responses(policy, query_ids, query_mask, sampling_noise=noise,
                                                              kv_cache=cache, **sampling)

@@ -7,8 +7,8 @@ order:
     engine.sync_weights(policy)        # the policy's current weights, before the step's rollout
     engine.generate(query_ids, query_mask, row_seeds=..., max_new_tokens=..., temperature=..., top_k=...,
                     top_p=..., eos_token_id=..., pad_token_id=..., return_logprobs=...)
-        -> (response_ids [B, T], response_mask [B, T]) or, with return_logprobs, also the log-probs [B, T]
-           of the drawn tokens under logits / temperature
+        -> Generation(response_ids [B, T], response_mask [B, T], logprobs [B, T] or None): the log-probs of
+           the drawn tokens under logits / temperature, with return_logprobs (else None)
 
 with the conventions of :mod:`marlhf.rollout`: prompts left-padded, responses right-padded with
 `pad_token_id`, EOS kept, `mask` True up to and including the first EOS; row b is drawn from its own random
@@ -48,8 +48,20 @@ from torch import nn
 from marlhf.plugins import Plugin, Registry
 from marlhf.rollout import KVCache, SamplingNoise, generate_responses
 
-__all__ = ["RolloutEngine", "EngineContext", "HFEngine", "HFOptions", "VLLMOptions", "ENGINES", "register_engine",
+__all__ = ["RolloutEngine", "Generation", "EngineContext", "HFEngine", "HFOptions", "VLLMOptions", "ENGINES", "register_engine",
            "get_engine", "make_engine"]
+
+
+@dataclasses.dataclass
+class Generation:
+    """What an engine's `generate` returns: the responses right-padded, `response_mask` True up to and including
+    the first EOS, and with `return_logprobs` the sampling log-probs of the drawn tokens (0 past the mask).
+
+    response_ids: [B, T] long; response_mask: [B, T] bool; logprobs: [B, T] float, or None."""
+
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):
@@ -58,7 +70,7 @@ class RolloutEngine(Protocol):
     def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, *, row_seeds: Sequence[int],
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int,
-                 return_logprobs: bool = False) -> tuple[torch.Tensor, ...]: ...
+                 return_logprobs: bool = False) -> Generation: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +122,11 @@ class HFEngine:
     def sync_weights(self, policy: nn.Module) -> None:
         self.policy = policy  # the very module PPO trains: nothing to copy
 
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, **sampling) -> tuple[torch.Tensor, ...]:
+    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, **sampling) -> Generation:
         if self.policy is None:
             raise RuntimeError("sync_weights(policy) must be called before generate")
-        return generate_responses(self.policy, query_ids, query_mask, sampling_noise=self.options.sampling_noise,
-                                  kv_cache=self.options.kv_cache, **sampling)
+        return Generation(*generate_responses(self.policy, query_ids, query_mask, kv_cache=self.options.kv_cache,
+                                              sampling_noise=self.options.sampling_noise, **sampling))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from marlhf.engines import EngineContext, VLLMOptions
+from marlhf.engines import EngineContext, Generation, VLLMOptions
 from marlhf.rollout import check_sampling, response_mask_from_ids
 
 __all__ = ["VLLMEngine", "MISSING", "check_vllm"]
@@ -256,7 +256,7 @@ class VLLMEngine:
     def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, *, row_seeds: Sequence[int] | None = None,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int,
-                 return_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
+                 return_logprobs: bool = False) -> Generation:
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         if self.policy is None:
             raise RuntimeError("sync_weights(policy) must be called before generate")
@@ -298,10 +298,9 @@ class VLLMEngine:
                     [step[token].logprob for step, token in zip(completion.logprobs, tokens)])
         response_mask = response_mask_from_ids(response_ids, eos_ids)
         device = query_ids.device
-        response_ids, response_mask = response_ids.to(device), response_mask.to(device)
-        if not return_logprobs:
-            return response_ids, response_mask
-        return response_ids, response_mask, logprobs.masked_fill(~response_mask.cpu(), 0.0).to(device)
+        if return_logprobs:
+            logprobs = logprobs.masked_fill(~response_mask, 0.0).to(device)
+        return Generation(response_ids.to(device), response_mask.to(device), logprobs if return_logprobs else None)
 
     def close(self) -> None:
         self.llm = None

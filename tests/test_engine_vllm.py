@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from marlhf.engines import EngineContext, VLLMOptions, get_engine, make_engine
+from marlhf.engines import EngineContext, Generation, VLLMOptions, get_engine, make_engine
 from marlhf.engines_vllm import VLLMEngine
 from marlhf.logging_utils import read_metrics
 from marlhf.modeling import ScalarHeadModel, add_lora
@@ -61,9 +61,11 @@ def setup(tiny_tokenizer):
 def _generate(setup, seeds, return_logprobs=True, eos_token_id=None, **overrides):
     engine, model, query_ids, query_mask, tokenizer = setup
     sampling = {**SAMPLING, **overrides}
-    return engine.generate(query_ids, query_mask, row_seeds=seeds, return_logprobs=return_logprobs,
-                           eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id, **sampling)
+    generation = engine.generate(query_ids, query_mask, row_seeds=seeds, return_logprobs=return_logprobs,
+                                 eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+    assert isinstance(generation, Generation)
+    return generation.response_ids, generation.response_mask, generation.logprobs
 
 
 # ---- everywhere (with or without vLLM) ---------------------------------------------------------------------
@@ -149,7 +151,7 @@ def test_eos_and_padding_like_the_hf_engine(setup):
     assert torch.equal(stopped[1, :first], ids[1, :first])
     assert stopped.dtype == hf_ids.dtype and stopped_mask.dtype == hf_mask.dtype == torch.bool
     # without return_logprobs: two tensors, as the hf engine
-    assert len(_generate(setup, [1, 2, 3, 4], return_logprobs=False, eos_token_id=eos)) == 2
+    assert _generate(setup, [1, 2, 3, 4], return_logprobs=False, eos_token_id=eos)[2] is None
 
 
 @needs_vllm

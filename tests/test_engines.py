@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from marlhf.engines import ENGINES, HFEngine, get_engine, register_engine
+from marlhf.engines import ENGINES, Generation, HFEngine, get_engine, register_engine
 from marlhf.logging_utils import read_metrics
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.test_ppo import RECORDS, _config, count_e
@@ -59,3 +59,23 @@ def test_engine_errors():
         HFEngine().generate(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="already registered"):
         register_engine("hf")(CountingEngine)
+
+
+class NoLogprobsEngine(HFEngine):
+    """An engine that ignores `return_logprobs`."""
+
+    def generate(self, query_ids, query_mask, **sampling):
+        generation = super().generate(query_ids, query_mask, **sampling)
+        assert isinstance(generation, Generation) and (generation.logprobs is not None) == sampling["return_logprobs"]
+        return Generation(generation.response_ids, generation.response_mask)
+
+
+def test_sampling_logprobs_missing_from_the_engine_is_an_error_not_a_silent_recompute(tmp_path, make_tiny_causal_lm,
+                                                                                     tiny_tokenizer):
+    register_engine("no_logprobs")(NoLogprobsEngine)
+    try:
+        config = _config(tmp_path, max_steps=1, rollout_engine="no_logprobs", log_rollout_logprob_diff=True)
+        with pytest.raises(ValueError, match="no sampling log-probs"):
+            train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    finally:
+        ENGINES.pop("no_logprobs")

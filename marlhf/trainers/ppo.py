@@ -136,21 +136,24 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     attached = None
     keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
     with accelerator.autocast():
-        response_ids, response_mask, *sampled_logprobs = run.engine.generate(
+        generation = run.engine.generate(
             query_ids, query_mask, row_seeds=row_seeds,
             max_new_tokens=config.max_response_length,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             return_logprobs=keeps_sampling_logprobs or config.compares_rollout_logprobs)
+        if (keeps_sampling_logprobs or config.compares_rollout_logprobs) and generation.logprobs is None:
+            raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
+                             "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
         clock["generation"] = device_clock(device)
-        batch = (query_ids, query_mask, response_ids, response_mask)
+        batch = (query_ids, query_mask, generation.response_ids, generation.response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
             attached = (response_logprobs(run.policy, *batch, temperature=config.scoring_temperature),
                         response_values(run.critic, *batch) if run.critic is not None else None)
             model_outputs = dict(logprobs=attached[0], values=attached[1])
-        elif keeps_sampling_logprobs and sampled_logprobs:
-            model_outputs = dict(logprobs=sampled_logprobs[0], critic=run.critic)
+        elif keeps_sampling_logprobs:
+            model_outputs = dict(logprobs=generation.logprobs, critic=run.critic)
         else:
             model_outputs = dict(policy=run.policy, critic=run.critic)
         rollout = score_responses(
@@ -160,8 +163,8 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
             chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
     clock["scoring"] = device_clock(device)
     experience = Experience.from_rollout(rollout, rows, attached)
-    if config.compares_rollout_logprobs and sampled_logprobs:  # beside the trainer's, not instead of them
-        experience.rollout_logprobs = sampled_logprobs[0].detach()
+    if config.compares_rollout_logprobs:  # beside the trainer's, not instead of them
+        experience.rollout_logprobs = generation.logprobs.detach()
     return experience
 
 
