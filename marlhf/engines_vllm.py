@@ -9,10 +9,10 @@ it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the com
 
 How it meets the conventions of :mod:`marlhf.engines`:
 
-- The `LLM` is built on the first `generate`, from the policy handed to the last `sync_weights`, saved once to a
-  temporary directory (config + safetensors; no tokenizer: prompts go in as token ids, `skip_tokenizer_init`).
-  vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight syncs hand it the
-  policy's own tensors without pickling.
+- The `LLM` is built on the first `generate` from the policy's config alone (written to a temporary directory;
+  `load_format="dummy"`; no tokenizer: prompts go in as token ids, `skip_tokenizer_init`), then takes the
+  policy's weights through the sync below, so no checkpoint is written. vLLM's engine core runs in this process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight syncs hand it the policy's own tensors without pickling.
 - Per-row seeds: one `SamplingParams(seed=row_seeds[b])` per row (vLLM keeps one generator per seeded
   request), so a row's response depends on its prompt and seed only.
 - EOS: `ignore_eos=True` (the model config's EOS is not used) and `stop_token_ids=eos_token_id`: the response
@@ -22,18 +22,24 @@ How it meets the conventions of :mod:`marlhf.engines`:
   the engine runs vLLM in `raw_logprobs` mode and folds the temperature into the model's logit scale
   (`LogitsProcessor.scale = 1 / temperature`, the Llama-family `logit_scale` hook), sampling with vLLM's
   temperature 1: the same distribution, and the raw log-probs are then exactly marlhf's convention.
-- `sync_weights(policy)`: `reload_weights` on the worker with an iterator over the policy's parameters (no
-  second copy of the model: each tensor is copied into vLLM's parameter as it comes), then
-  `reset_prefix_cache()` so no KV cache computed with the old weights is reused.
+- `sync_weights(policy)`: `reload_weights` on the worker with an iterator over the policy's weights, then
+  `reset_prefix_cache()` so no KV cache computed with the old weights is reused. The iterator goes bucket by
+  bucket (a decoder layer, or the rest) and, after the first load, skips buckets that training cannot change
+  (frozen, e.g. all but the LoRA layers): each tensor is copied into vLLM's parameter as it comes, so no second
+  copy of the model is held.
+- Sharded training: each process has its own engine and samples its own rows. Under FSDP2 each tensor is
+  all-gathered (`DTensor.full_tensor`), under DeepSpeed ZeRO-3 each bucket is gathered (`GatheredParameters`),
+  once per sync onto every process, at most one bucket whole at a time; every process syncs, in the same order.
 - A peft (LoRA) policy (`use_lora=True`): vLLM gets the merged model, base + B @ A * scale under the base
-  model's parameter names, each merged tensor computed as the iterator reaches it (so at most one extra tensor
-  at a time, and the adapters and base weights are only read); the first build writes the merged weights as a
-  checkpoint with one safetensors file per decoder layer, since `save_pretrained` would write the adapters only.
+  model's parameter names, each merged tensor computed as the iterator reaches it (at most one extra tensor at
+  a time; the adapters and base weights are only read).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import itertools
 import os
 import re
 import tempfile
@@ -88,88 +94,81 @@ def _is_peft(policy: nn.Module) -> bool:
     return hasattr(policy, "peft_config") and hasattr(policy, "get_base_model")
 
 
-def _peft_merged_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A peft (LoRA) model's weights as the merged plain model's, under the base model's parameter names: for
-    each LoRA layer `base_layer.weight + sum of its active, unmerged adapters' B @ A * scale`, computed one
-    tensor at a time as it is handed out (never a merged copy of the model; the adapters and base weights are
-    only read). Other tensors are the model's own; the adapters' own tensors are left out."""
-    from peft.tuners.lora import LoraLayer
-
-    base = policy.get_base_model()
-    lora = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    adapter_keys = {f"{prefix}.{key}" for prefix, module in lora.items() for key in module.state_dict()
-                    if not key.startswith("base_layer.")}
-    for name, tensor in base.state_dict(keep_vars=False).items():
-        if name in adapter_keys:
-            continue
-        if "modules_to_save" in name or "original_module" in name:
-            raise NotImplementedError(f"vLLM weight sync of peft modules_to_save ({name}) is not supported")
-        if ".base_layer." not in name:
-            yield name, tensor.detach()
-            continue
-        prefix, rest = name.split(".base_layer.", 1)
-        module = lora[prefix]
-        tensor = tensor.detach()
-        if rest == "weight" and not module.disable_adapters:
-            adapters = [a for a in module.active_adapters if a in module.lora_A and a not in module.merged_adapters]
-            if adapters:
-                with torch.no_grad():
-                    merged = tensor.clone()
-                    for adapter in adapters:
-                        merged += module.get_delta_weight(adapter).to(merged.dtype)
-                tensor = merged
-        yield f"{prefix}.{rest}", tensor
-
-
-def _policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in checkpoint (transformers) format, one at a time: the policy's own tensors, which
-    vLLM's `load_weights` copies into its parameters, so no second copy of the model is ever held. A peft
-    model gives its merged weights under the base model's names, one merged tensor at a time."""
-    if _is_peft(policy):
-        yield from _peft_merged_weights(policy)
-        return
-    for name, tensor in policy.state_dict(keep_vars=False).items():
-        yield name, tensor.detach()
-
-
 def _bucket(name: str) -> str:
+    """The weight-sync bucket of a parameter: its decoder layer, or "other" (embeddings, final norm, head)."""
     match = re.search(r"\.layers\.(\d+)\.", name)
     return f"layer{int(match.group(1)):05d}" if match else "other"
 
 
-def _save_merged_checkpoint(policy: nn.Module, directory: str) -> None:
-    """A peft policy's merged weights as a safetensors checkpoint vLLM can load, one file per decoder layer
-    (plus one for the rest) with its index: only one bucket's tensors are held at a time."""
-    import json
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (DTensor) all-gathered (a collective: every process calls it in the same
+    order), any other tensor as it is; detached either way."""
+    from torch.distributed.tensor import DTensor
 
-    from safetensors.torch import save_file
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
-    base = policy.get_base_model()
-    base.config.save_pretrained(directory)
-    if getattr(base, "generation_config", None) is not None:
-        base.generation_config.save_pretrained(directory)
-    weight_map: dict[str, str] = {}
-    buckets: dict[str, dict[str, torch.Tensor]] = {}
-    current = None
 
-    def flush(bucket: str) -> None:
-        filename = f"model-{bucket}.safetensors"
-        tensors = buckets.pop(bucket)
-        # clone: tied tensors (embeddings / lm_head) must not share storage in a safetensors file
-        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, os.path.join(directory, filename),
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, filename))
+def _gathered(tensors: list[torch.Tensor]):
+    """A context in which DeepSpeed ZeRO-3 parameters among `tensors` are whole on every process (a collective:
+    every process enters it for the same tensors); a no-op for tensors that are not ZeRO-3 partitions."""
+    partitioned = [t for t in tensors if hasattr(t, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
 
-    for name, tensor in _peft_merged_weights(policy):
-        bucket = _bucket(name)
-        if current is not None and bucket != current and current != "other":
-            flush(current)
-        current = bucket
-        buckets.setdefault(bucket, {})[name] = tensor
-    for bucket in list(buckets):
-        flush(bucket)
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as handle:
-        json.dump({"metadata": {}, "weight_map": weight_map}, handle)
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def _policy_weights(policy: nn.Module, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights as (name, tensor) pairs in checkpoint (transformers) format, bucket by bucket (a
+    decoder layer, or the rest), for vLLM's `load_weights`, which copies each into its parameter as it comes.
+
+    - Plain: the policy's own tensors, so no second copy of the model is held.
+    - Sharded: FSDP2 shards are gathered tensor by tensor and DeepSpeed ZeRO-3 partitions bucket by bucket, onto
+      every process (each process's engine needs the whole model), so at most one bucket is whole at a time.
+    - peft (LoRA): the merged model under the base model's names, each LoRA layer's weight computed as
+      `base_layer.weight + B @ A * scale` of its active, unmerged adapters as the iterator reaches it; the
+      adapters and base weights are only read, and the adapters' own tensors are left out.
+    - `changed_only`: only buckets holding a tensor that training can change (a parameter that requires grad,
+      or a weight with an active LoRA adapter); whole buckets, as vLLM fuses projections of one layer.
+    """
+    model = policy.get_base_model() if _is_peft(policy) else policy
+    lora = {}
+    if _is_peft(policy):
+        from peft.tuners.lora import LoraLayer
+
+        lora = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+    def adapters_of(name: str) -> list[str]:
+        prefix, _, rest = name.partition(".base_layer.")
+        module = lora.get(prefix)
+        if rest != "weight" or module is None or module.disable_adapters:
+            return []
+        return [a for a in module.active_adapters if a in module.lora_A and a not in module.merged_adapters]
+
+    adapter_keys = {f"{prefix}.{key}" for prefix, module in lora.items() for key in module.state_dict()
+                    if not key.startswith("base_layer.")}
+    entries = list(model.state_dict(keep_vars=True).items())  # Parameters: ZeRO-3 gathers them, requires_grad shows
+    for _, group in itertools.groupby(entries, key=lambda entry: _bucket(entry[0])):
+        group = list(group)
+        if changed_only and not any(t.requires_grad or adapters_of(n) for n, t in group):
+            continue
+        with _gathered([t for _, t in group]), torch.no_grad():
+            for name, tensor in group:
+                if name in adapter_keys:
+                    continue
+                if "modules_to_save" in name or "original_module" in name:
+                    raise NotImplementedError(f"vLLM weight sync of peft modules_to_save ({name}) is not supported")
+                tensor = _full(tensor)
+                if ".base_layer." in name:
+                    adapters = adapters_of(name)
+                    prefix, rest = name.split(".base_layer.", 1)
+                    if adapters:
+                        tensor = tensor.clone()
+                        for adapter in adapters:
+                            tensor += _full(lora[prefix].get_delta_weight(adapter)).to(tensor.dtype)
+                    name = f"{prefix}.{rest}"
+                yield name, tensor
 
 
 class VLLMEngine:
@@ -204,14 +203,17 @@ class VLLMEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         import vllm
 
+        # vLLM builds the model from its config with placeholder weights ("dummy"), then takes the policy's
+        # through the same path as every later sync: no checkpoint is written, and sharded or LoRA policies
+        # need no second route (transformers' save_pretrained writes on rank 0 only, and a LoRA model's the
+        # adapters only).
         self._tmpdir = tempfile.TemporaryDirectory(prefix="marlhf_vllm_")
-        if _is_peft(policy):  # save_pretrained would save the adapters only: the merged weights instead
-            _save_merged_checkpoint(policy, self._tmpdir.name)
-        else:
-            policy.save_pretrained(self._tmpdir.name, safe_serialization=True)
+        model_config = (policy.get_base_model() if _is_peft(policy) else policy).config
+        model_config.to_json_file(os.path.join(self._tmpdir.name, "config.json"))
         lengths = [n for n in (options.max_model_len, getattr(self.config, "max_length", None),
                                getattr(policy.config, "max_position_embeddings", None)) if n is not None]
-        kwargs = dict(model=self._tmpdir.name, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
+        kwargs = dict(model=self._tmpdir.name, load_format="dummy", skip_tokenizer_init=True,
+                      logprobs_mode="raw_logprobs",
                       dtype=str(next(policy.parameters()).dtype).removeprefix("torch."), seed=0,
                       enforce_eager=on_cpu or options.enforce_eager,
                       max_model_len=options.max_model_len or (min(lengths) if lengths else None),
@@ -230,6 +232,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self.logit_scale = 1.0
+        self._load(policy, changed_only=False)
 
     # -- the engine seam -------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -242,9 +245,12 @@ class VLLMEngine:
         if self.llm is None:
             return  # built from these weights on the first generate
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _policy_weights(policy),
+        self._load(policy, changed_only=True)
+
+    def _load(self, policy: nn.Module, changed_only: bool) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _policy_weights(policy, changed_only),
                                                           "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache()  # no KV cache computed with the old weights is reused
 
     def _use_temperature(self, temperature: float) -> None:
         scale = 1.0 / temperature

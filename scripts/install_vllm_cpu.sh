@@ -39,6 +39,10 @@ EOF
 "${PIP[@]}" install -q -c "$constraints" accelerate==1.15.0 datasets==5.2.0 matplotlib==3.11.2 tensorboard==2.21.0 \
     peft==0.21.2 pytest==9.2.0
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
+# DeepSpeed for the ZeRO-3 weight-sync test: the `deepspeed` extra's pins, built against this torch (no build
+# isolation), no ops prebuilt (its one CPU op compiles on first use, with g++).
+DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation -c "$constraints" $("$VENV/bin/python" -c \
+    "import tomllib; print(' '.join(tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['optional-dependencies']['deepspeed']))")
 
 # the check: torch is still the CPU build and vLLM's LLM imports
 "$VENV/bin/python" - <<'EOF'

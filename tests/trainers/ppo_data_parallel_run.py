@@ -1,13 +1,15 @@
 """One PPO run for tests/trainers/test_ppo_distributed.py, under `torchrun` (any number of processes) or alone:
 
     python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ppo_data_parallel_run.py \
-        OUT PROMPTS_PER_PROCESS ADVANTAGE [ddp|fsdp|zero2|zero3] [--max_steps N] [--save_steps N] [--resume ...]
+        OUT PROMPTS_PER_PROCESS ADVANTAGE [ddp|fsdp|zero2|zero3] [--max_steps N] [--save_steps N] [--resume ...] \
+        [--rollout_engine vllm]
 
 fsdp: the policy and the critic sharded by FSDP2 with the settings of configs/accelerate/fsdp.yaml, in float32
 on CPU (see `_fsdp_on_cpu`). zero2, zero3: an engine each for policy and critic under DeepSpeed ZeRO-2 / ZeRO-3
 with the settings of configs/accelerate/deepspeed_zero2.yaml / deepspeed_zero3.yaml, in float32 on CPU (see
 `_deepspeed_on_cpu`; needs deepspeed installed). --max_steps (default 2), --save_steps (default 0: no checkpoints) and --resume
-set PPOConfig's options of these names.
+set PPOConfig's options of these names. --rollout_engine vllm (in the vLLM venv) samples with one vLLM engine per
+process from a model vLLM supports (head size 64, tests/test_engine_vllm.py) and logs rollout/logprob_diff.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _deepspeed_on_cpu(stage: int) -> None:
 
 
 def main(output_dir: str, prompts_per_process: int, advantage: str, sharding: str = "ddp", max_steps: int = 2,
-         save_steps: int = 0, resume: str | None = None) -> None:
+         save_steps: int = 0, resume: str | None = None, rollout_engine: str = "hf") -> None:
     if sharding == "fsdp":
         _fsdp_on_cpu()
     elif sharding.startswith("zero"):
@@ -93,9 +95,16 @@ def main(output_dir: str, prompts_per_process: int, advantage: str, sharding: st
                        critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant", save_steps=save_steps,
                        resume=resume, seed=5,
                        # the reinforce runs sample with the counter-hash noise, so it is checked across processes too
-                       sampling_noise="counter_hash" if advantage == "reinforce" else "row_generators")
-    policy = train_ppo(config, RECORDS, policy=build_tiny_causal_lm(tokenizer), tokenizer=tokenizer,
-                       reward_fn=count_e)
+                       sampling_noise="counter_hash" if advantage == "reinforce" else "row_generators",
+                       rollout_engine=rollout_engine, log_rollout_logprob_diff=rollout_engine == "vllm",
+                       rollout_engine_options={"kv_cache_gib": 1} if rollout_engine == "vllm" else None)
+    if rollout_engine == "vllm":
+        from tests.test_engine_vllm import _model
+
+        model = _model(tokenizer, head_scale=1.0).train()
+    else:
+        model = build_tiny_causal_lm(tokenizer)
+    policy = train_ppo(config, RECORDS, policy=model, tokenizer=tokenizer, reward_fn=count_e)
     if sharding == "fsdp":
         from torch.distributed.fsdp import FSDPModule
 
@@ -118,4 +127,5 @@ if __name__ == "__main__":
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume")
+    parser.add_argument("--rollout_engine", choices=("hf", "vllm"), default="hf")
     main(**vars(parser.parse_args()))
