@@ -307,7 +307,7 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
                                            max_prompt_length=config.max_prompt_length,
                                            max_length=config.max_prompt_length + config.max_response_length)
         summaries[name] = {**summarize_scores(scores[name]),
-                           "repeated_3gram_fraction": float(np.mean(text_repetition(texts, n=3)))}
+                           "repeated_word_3gram_fraction": float(np.mean(text_repetition(texts, n=3)))}
         model_dir = output_dir if len(paths) == 1 else output_dir / name
         model_dir.mkdir(parents=True, exist_ok=True)
         write_jsonl(model_dir / "responses.jsonl", [{"prompt": p, "response": r, "score": s}
@@ -322,7 +322,8 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
         plot_score_scatter(scores[names[0]], scores[other], names[0], other, output_dir / f"scatter_{names[0]}_vs_{other}.png")
         difference = np.asarray(scores[other]) - np.asarray(scores[names[0]])
         comparison["pairs"][f"{other}_vs_{names[0]}"] = {
-            "mean_difference": float(difference.mean()), "fraction_higher": float(np.mean(difference > 0))}
+            "model": other, "baseline": names[0], "mean_score_difference": float(difference.mean()),
+            "fraction_model_higher": float(np.mean(difference > 0))}  # model minus baseline, prompt by prompt
     _write_json(output_dir / "comparison.json", comparison)
     return comparison
 

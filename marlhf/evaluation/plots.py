@@ -24,7 +24,7 @@ DIAGNOSTICS: dict[str, str] = {
     "val/advantage_l2": "L2 norm of the advantages",
     "val/return_l2": "L2 norm of the returns",
     "macro/mean_segment_length": "mean macro-action length (tokens)",
-    "objective/repetition": "repeated 3-gram fraction",
+    "objective/repetition": "repeated token 3-gram fraction",
     "objective/response_length": "response length (tokens)",
 }
 

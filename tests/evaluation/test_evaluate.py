@@ -88,7 +88,7 @@ def test_evaluate_one_checkpoint_writes_responses_and_summary(tmp_path, tiny_mod
     assert [r["score"] for r in rows] == pytest.approx(rescored, abs=1e-5)
     assert json.loads((tmp_path / "eval" / "summary.json").read_text()) == summary
     assert summary["mean"] == pytest.approx(np.mean(rescored), abs=1e-5)
-    assert summary["repeated_3gram_fraction"] == pytest.approx(np.mean(text_repetition([r["response"] for r in rows])))
+    assert summary["repeated_word_3gram_fraction"] == pytest.approx(np.mean(text_repetition([r["response"] for r in rows])))
 
 
 def test_compare_checkpoints(tmp_path, tiny_model_dir, second_policy_dir, reward_model_dir):
@@ -102,8 +102,10 @@ def test_compare_checkpoints(tmp_path, tiny_model_dir, second_policy_dir, reward
     assert (out / f"scatter_{first}_vs_{second}.png").read_bytes()[:4] == b"\x89PNG"
     scores = {name: np.array([json.loads(line)["score"] for line in (out / name / "responses.jsonl").read_text().splitlines()])
               for name in (first, second)}
-    assert comparison["pairs"][f"{second}_vs_{first}"]["mean_difference"] == pytest.approx(
-        (scores[second] - scores[first]).mean(), abs=1e-6)
+    pair = comparison["pairs"][f"{second}_vs_{first}"]
+    assert (pair["model"], pair["baseline"]) == (second, first)
+    assert pair["mean_score_difference"] == pytest.approx((scores[second] - scores[first]).mean(), abs=1e-6)
+    assert pair["fraction_model_higher"] == pytest.approx((scores[second] > scores[first]).mean())
 
 
 def test_best_of_n_grid(tmp_path, tiny_model_dir, reward_model_dir):
