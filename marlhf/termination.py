@@ -3,7 +3,7 @@
 A rule is a function of one :class:`SegmentationBatch` that returns ``segment_ids`` (long ``[B, T]``, the
 convention of :mod:`marlhf.segments`), or ``(segment_ids, stats)`` with ``stats`` a dict of numbers that
 PPO logs as ``macro/<name>``. The built-in rules are registered under their names (fixed, randomized,
-perplexity, parsing, word); a new one is one decorated function (the README shows one that ends a macro
+perplexity, parsing, word); a new one is one decorated function (docs/plugins.md shows one that ends a macro
 action at every sentence end), used as ``PPOConfig(termination="<name>")`` after the import, or by its dotted
 path on the command line: ``--termination my_pkg.rules:sentences`` (marlhf.plugins: the same seam as the
 estimators, policy losses and rollout engines). A rule may declare its own options as a dataclass

@@ -84,3 +84,23 @@ def tiny_records():
            "chosen": f" {topic} is a fine thing, thank you.", "rejected": " no."}
           for topic in ("cats", "dogs", "bread", "rain", "code", "tea", "maps", "boats", "songs", "trees")]
     return {"sft": sft, "rm": rm}
+
+
+DEMO_TERMINATIONS = ("fixed:none", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
+DEMO_BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """`marlhf demo --quick` with two more termination rules and two baselines, run once for the session:
+    (output directory, summary, console output). Its models and data/ also serve the README's tour."""
+    import contextlib
+    import io
+
+    from marlhf.demo import DemoConfig, run_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = run_demo(DemoConfig.quick(out=str(out), terminations=DEMO_TERMINATIONS, methods=DEMO_BASELINES))
+    return out, summary, printed.getvalue()

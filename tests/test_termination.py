@@ -1,4 +1,4 @@
-"""Termination rules behind one interface: the registry, dotted paths, and the README's custom rule."""
+"""Termination rules behind one interface: the registry, dotted paths, and the plug-in guide's custom rule."""
 
 from __future__ import annotations
 
@@ -75,10 +75,11 @@ def test_builtins_through_the_interface(tiny_tokenizer):
     TERMINATION_RULES.pop("broken")
 
 
-def test_readme_custom_rule(tiny_tokenizer):
-    """The README's 10-line rule, run as written: a segment ends after every '.', '!' or '?'."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "register_termination" in block)
+def test_plugin_guide_custom_rule(tiny_tokenizer):
+    """The plug-in guide's 10-line rule (docs/plugins.md), run as written: a segment ends after every '.', '!' or
+    '?'."""
+    guide = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "register_termination" in block)
     namespace: dict = {}
     exec(code, namespace)
     try:

@@ -11,7 +11,7 @@ A page asks for a generated block with a marker on a line of its own:
     <!-- marlhf:include benchmarks/results/x/summary.md -->       a Markdown file of the repository, its headings
                                                                   one level down (a note when it does not exist yet)
     <!-- marlhf:file configs/accelerate/ddp.yaml yaml -->         a file of the repository as a code block
-    <!-- marlhf:section README.md#Measured figures -->            the text under a heading of a Markdown file, up
+    <!-- marlhf:section benchmarks/README.md#Measured figures -->  the text under a heading of a Markdown file, up
                                                                   to the next heading (links into the repository
                                                                   made to work on the site)
     <!-- marlhf:paragraph README.md#**Reliability.** -->          the paragraph that starts with the given text
@@ -56,7 +56,8 @@ def _expand(kind: str, argument: str, page) -> str:
     if kind in ("section", "paragraph"):
         path, _, start = argument.partition("#")
         text = (ROOT / path).read_text()
-        return repo_links(section(text, start) if kind == "section" else paragraph(text, start), depth)
+        return repo_links(section(text, start) if kind == "section" else paragraph(text, start), depth,
+                          base=os.path.dirname(path))
     if kind == "config":
         return config_reference(_load(argument))
     if kind == "plugins":
@@ -208,15 +209,19 @@ def include(path: str, depth: int) -> str:
 
 # Where a repository file that a Markdown text links to is on the site (relative to docs/).
 SITE_PLACES = {
+    "benchmarks/README.md": "performance.md",
+    "benchmarks/results/credit_assignment/README.md": "studies/credit-assignment.md",
+    "benchmarks/results/credit_assignment_lambda/README.md": "studies/lambda.md",
     "benchmarks/results/credit_assignment/summary.md": "studies/credit-assignment.md#tables",
     "benchmarks/results/credit_assignment_exploratory_lambda/summary.md": "studies/credit-assignment.md#exploratory",
     "benchmarks/results/credit_assignment_lambda/summary.md": "studies/lambda.md#results",
 }
 
 
-def repo_links(text: str, depth: int) -> str:
-    """Rewrite links to repository paths (relative to the root) for a page `depth` folders below docs/: pages of
-    docs/ and the studies' figures and summaries to their place on the site, any other file to its path in code."""
+def repo_links(text: str, depth: int, base: str = "") -> str:
+    """Rewrite links to repository paths (relative to `base`, the folder of the file the text comes from) for a
+    page `depth` folders below docs/: pages of docs/ and the studies' figures and summaries to their place on the
+    site, any other file to its path in code."""
     prefix = "../" * depth
 
     def rewrite(match):
@@ -224,6 +229,7 @@ def repo_links(text: str, depth: int) -> str:
         if re.match(r"^[a-z]+:", target) or target.startswith("#"):
             return match.group(0)
         path, _, anchor = target.partition("#")
+        path = os.path.normpath(os.path.join(base, path))
         if path.startswith("docs/") and path.endswith(".md"):
             return f"{bang}[{label}]({prefix}{path[len('docs/'):]}{'#' + anchor if anchor else ''})"
         if path in SITE_PLACES:

@@ -52,7 +52,7 @@ class DemoConfig(ConfigBase):
     critic_learning_rate: float = option(1e-3, "critic learning rate", gt=0)
     value_weighting: ValueWeighting = option(
         "first", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
-                 "macro action starts, see the README's credit-assignment study; equal: the paper's)")
+                 "macro action starts, see Study I, docs/studies/credit-assignment.md; equal: the paper's)")
     segment_weighting: SegmentWeighting = option(
         "tokens", "MA-PPO's policy loss over macro actions (PPOConfig.segment_weighting)")
     critic_init: Literal["reward", "sft"] = option(

@@ -118,6 +118,17 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def write_data(config: DemoConfig, task: SyntheticTask, preference_records: list[dict], rl_prompts: list[dict],
+               eval_prompts: list[str], data_dir: Path) -> None:
+    """The demo's records as the commands read them (`--dataset DIR/sft.jsonl` ...): SFT demonstrations,
+    preference pairs (reward model, DPO), PPO prompts and the held-out prompts, in the stages' schemas."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(data_dir / "sft.jsonl", task.sft_records(config.sft_records, seed=0))
+    _write_jsonl(data_dir / "preferences.jsonl", preference_records)
+    _write_jsonl(data_dir / "prompts.jsonl", rl_prompts)
+    _write_jsonl(data_dir / "eval_prompts.jsonl", [{"prompt": prompt} for prompt in eval_prompts])
+
+
 def run_demo(config: DemoConfig) -> dict:
     """Run the demo into `config.out` and return the summary (also written to summary.json)."""
     threads = torch.get_num_threads()
@@ -238,6 +249,7 @@ def _run_demo(config: DemoConfig) -> dict:
     methods.update((name, critic_free_options(name)) for name in config.methods if name != "dpo")
     rl_prompts = task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
+    write_data(config, task, preference_records, rl_prompts, eval_prompts, out / "data")
     sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
     _write_jsonl(out / "models" / "sft" / "eval_samples.jsonl", sft_samples)
     finals: dict[str, list[dict]] = {method: [] for method in methods}

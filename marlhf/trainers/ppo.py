@@ -33,7 +33,8 @@ dotted path, each with its own options; `PPOConfig` lives in marlhf.trainers.ppo
 before the first step (models, reward source, optimisers) in marlhf.trainers.ppo_setup.
 
 Defaults follow the paper (docs/algorithm.md) but one: a macro action's value is the value of the state where it
-starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (README);
+starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (Study I,
+benchmarks/results/credit_assignment/README.md);
 `value_weighting="equal"` is the paper's. `ratio_granularity`, `segment_reward`, `last_token_own_segment`
 and `rm_score_clip` reproduce the released code's choices instead; `segment_weighting` offers the study's
 alternatives of the policy loss.

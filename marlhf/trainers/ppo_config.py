@@ -153,7 +153,7 @@ class PPOConfig(TrainingConfig):
                                     "must exceed 0.2 x the responses per step)", ge=1)
     value_weighting: ValueWeighting = option(
         "first", "a macro action's value from its token values: the first token's, the value of the state where "
-                 "the macro action starts (first; not in the paper, the default since the README's credit-"
+                 "the macro action starts (first; not in the paper, the default since Study I, the credit-"
                  "assignment study), or the paper's: equal weights (equal), the last token only (unit), weights "
                  "growing towards the last token (position)")
     segment_reward: SegmentReward = option(

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
 
 from marlhf import cli
-from marlhf.demo import DemoConfig, run_demo
+from marlhf.demo import DemoConfig
+from tests.conftest import DEMO_BASELINES as BASELINES
 
 METHODS = ("ppo", "ma_ppo")
-EXTRA = ("fixed:none", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
-EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")
-BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
+EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")  # DEMO_TERMINATIONS' methods
 STEPS = DemoConfig.quick().ppo_steps
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        summary = run_demo(DemoConfig.quick(out=str(out), terminations=EXTRA, methods=BASELINES))
-    return out, summary, printed.getvalue()
 
 
 def test_every_file_is_written(demo_run):
@@ -33,6 +21,13 @@ def test_every_file_is_written(demo_run):
         assert (out / name).stat().st_size > 0, name
     for stage in ("base", "sft", "reward"):
         assert (out / "models" / stage / "config.json").is_file(), stage
+    config = DemoConfig.quick()
+    for name, fields, rows in (("sft", {"prompt", "response"}, config.sft_records),
+                               ("preferences", {"prompt", "chosen", "rejected"}, config.preference_records),
+                               ("prompts", {"prompt"}, config.ppo_steps * config.ppo_batch_size),
+                               ("eval_prompts", {"prompt"}, config.eval_prompts)):
+        records = [json.loads(line) for line in (out / "data" / f"{name}.jsonl").read_text().splitlines()]
+        assert len(records) == rows and all(set(r) == fields for r in records), name
     for method in METHODS + EXTRA_METHODS:
         run_dir = out / "runs" / method / "seed0"
         for name in ("metrics.jsonl", "gold.jsonl", "eval_samples.jsonl", "config.yaml"):
