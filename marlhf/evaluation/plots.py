@@ -1,8 +1,9 @@
 """Training diagnostics from runs' metrics.jsonl: the curves MA-RLHF argues from.
 
-Runs are grouped by a label (default: the name of the run directory's parent, so `runs/ma_ppo/seed1`
-and `runs/ma_ppo/seed2` are two seeds of "ma_ppo"); each group is drawn as the mean over its runs with
-a band of one standard deviation, at the steps every run of the group logged.
+Runs are grouped by a label (default: a run directory named `seed<k>` takes its parent's name, so
+`runs/ma_ppo/seed1` and `runs/ma_ppo/seed2` are two seeds of "ma_ppo"; any other run directory its own name,
+so `runs/tour/ppo` is "ppo"); each group is drawn as the mean over its runs with a band of one standard
+deviation, at the steps every run of the group logged.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class RunMetrics:
         return steps, np.array([by_step[s] for s in steps], dtype=np.float64)
 
 
+def default_label(run_dir: str | Path) -> str:
+    """A run's group: its parent directory's name for a `seed<k>` directory (seeds of one method), else its own."""
+    path = Path(run_dir).resolve()
+    return path.parent.name if re.fullmatch(r"seed\d+", path.name) else path.name
+
+
 def load_runs(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = None) -> list[RunMetrics]:
     """Read RUN_DIR/metrics.jsonl of each run; `labels` (one per run) group them, default: parent dir name."""
     if labels is not None and len(labels) != len(run_dirs):
@@ -63,7 +70,7 @@ def load_runs(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = Non
         if not metrics_file.is_file():
             raise ValueError(f"run directory {str(path)!r} has no {METRICS_FILE}")
         rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-        label = labels[index] if labels is not None else path.resolve().parent.name
+        label = labels[index] if labels is not None else default_label(path)
         runs.append(RunMetrics(label, path, rows))
     return runs
 
@@ -106,13 +113,21 @@ def group_curves(runs: Sequence[RunMetrics], metric: str, smoothing: int = 1) ->
     return curves
 
 
-def _draw(ax, curves: dict[str, GroupCurve], title: str) -> None:
+BANDS = "lines: mean over each label's runs; bands: +-1 standard deviation over them"
+
+
+def _draw(ax, curves: dict[str, GroupCurve], title: str, metric: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     for label, curve in curves.items():
-        (line,) = ax.plot(curve.steps, curve.mean, label=f"{label} ({curve.num_runs} run{'s' if curve.num_runs > 1 else ''})", linewidth=1.5)
+        runs = f"{curve.num_runs} run{'s' if curve.num_runs > 1 else ''}"
+        (line,) = ax.plot(curve.steps, curve.mean, label=f"{label} ({runs})", linewidth=1.5)
         if curve.num_runs > 1:
             ax.fill_between(curve.steps, curve.mean - curve.std, curve.mean + curve.std, color=line.get_color(), alpha=0.2)
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step")
+    ax.set_xlabel("PPO step")
+    ax.set_ylabel(metric, fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
@@ -142,8 +157,8 @@ def plot_diagnostics(
     written = []
     for metric, curves in panels:
         fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-        _draw(ax, curves, DIAGNOSTICS.get(metric, metric))
-        ax.set_ylabel(metric)
+        _draw(ax, curves, DIAGNOSTICS.get(metric, metric), metric)
+        fig.suptitle(BANDS, fontsize=8)
         written.append(out_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', metric)}.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
@@ -151,7 +166,8 @@ def plot_diagnostics(
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), layout="constrained", squeeze=False)
     for ax, (metric, curves) in zip(axes.flat, panels):
-        _draw(ax, curves, DIAGNOSTICS.get(metric, metric))
+        _draw(ax, curves, DIAGNOSTICS.get(metric, metric), metric)
+    fig.suptitle(BANDS, fontsize=10)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     written.append(out_dir / "diagnostics.png")

@@ -29,6 +29,12 @@ def test_group_curves_mean_and_spread_over_seeds(runs_root):
     assert curves["ppo"].num_runs == 2 and len(curves["ppo"].steps) == 25
 
 
+def test_runs_outside_seed_directories_are_labelled_by_their_own_name(tmp_path):
+    for name in ("ppo", "ma_ppo"):
+        write_run(tmp_path / "tour" / name, 1)
+    assert [run.label for run in load_runs([tmp_path / "tour" / "ppo", tmp_path / "tour" / "ma_ppo"])] == ["ppo", "ma_ppo"]
+
+
 def test_group_curves_uses_only_common_steps_and_explicit_labels(tmp_path):
     with MetricsLogger(tmp_path / "a") as logger:
         for step, value in [(1, 1.0), (2, 2.0), (3, 3.0)]:
