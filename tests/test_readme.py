@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from marlhf import cli
+from marlhf.evaluation.plots import default_label
 from marlhf.logging_utils import read_metrics
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -69,6 +70,8 @@ def test_the_command_line_tour_runs_as_written(in_demo_dir, capsys):
     pair = json.loads((tour / "eval" / "comparison.json").read_text())["pairs"]["ppo_vs_ma_ppo"]
     assert (pair["model"], pair["baseline"]) == ("ppo", "ma_ppo")
     assert (tour / "plots" / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
+    plot = next(c for c in commands if c[1] == "plot")
+    assert [default_label(run) for run in plot[2:] if not run.startswith("-")][:2] == ["ppo", "ma_ppo"]  # two curves
 
 
 def test_the_python_blocks_run_as_written(in_demo_dir):
