@@ -87,11 +87,12 @@ def _errors_only(record: logging.LogRecord) -> bool:
 
 
 def quiet_libraries(verbose: bool) -> None:
-    """Silence transformers', datasets', DeepSpeed's and the Hub's progress bars, info messages and warnings (not errors),
-    unless `verbose`."""
+    """Silence transformers', datasets', DeepSpeed's, vLLM's and the Hub's progress bars, info messages and warnings
+    (not errors), unless `verbose`."""
     if verbose:
         return
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (the vllm engine's first build)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import transformers.utils.logging as transformers_logging

@@ -76,7 +76,8 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
 
     from marlhf.cli import main
 
-    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+                 "VLLM_LOGGING_LEVEL"):
         monkeypatch.delenv(name, raising=False)
     records = tmp_path / "sft.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
@@ -91,6 +92,7 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
             assert not transformers_logging.is_progress_bar_enabled()
             assert transformers_logging.get_verbosity() == transformers_logging.ERROR
             assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+            assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
             deepspeed_logger = logging.getLogger("DeepSpeed")
             assert not deepspeed_logger.filter(logging.makeLogRecord({"levelno": logging.WARNING}))
             assert deepspeed_logger.filter(logging.makeLogRecord({"levelno": logging.ERROR}))
