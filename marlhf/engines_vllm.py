@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from marlhf.engines import EngineContext, Generation, VLLMOptions
+from marlhf.errors import MarlhfError
 from marlhf.rollout import check_sampling, response_mask_from_ids
 
 __all__ = ["VLLMEngine", "MISSING", "check_vllm"]
@@ -171,6 +172,30 @@ def _policy_weights(policy: nn.Module, changed_only: bool = False) -> Iterator[t
                 yield name, tensor
 
 
+@contextlib.contextmanager
+def _explained(engine: VLLMEngine, model_config):
+    """vLLM's errors for a model it cannot run, or a KV cache too small, as one MarlhfError naming the cause and
+    the option to change; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as error:
+        message = " ".join(str(error).split())
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads)
+        if "attention configuration" in message or "head size" in message.lower() or "head_dim" in message:
+            device = "CPU" if engine.on_cpu else "GPU"
+            raise MarlhfError(f"vLLM's {device} attention cannot run this model (head size {head_dim}: {message}); "
+                              "use rollout_engine='hf'") from error
+        if "KV cache is needed" in message:
+            knob = ("kv_cache_gib (VLLM_CPU_KVCACHE_SPACE), now " f"{engine.kv_cache_gib} GiB" if engine.on_cpu
+                    else f"gpu_memory_utilization, now {engine.options.gpu_memory_utilization}")
+            raise MarlhfError(f"vLLM's KV cache cannot hold one sequence of the maximum length: raise the vllm option "
+                              f"{knob}, or lower max_model_len / max_length ({message})") from error
+        if "not supported" in message and "rchitecture" in message:
+            raise MarlhfError(f"vLLM does not support this model ({message}); use rollout_engine='hf'") from error
+        raise
+
+
 class VLLMEngine:
     """Samples with a vLLM `LLM` holding a copy of the policy's weights (see the module docstring)."""
 
@@ -226,7 +251,8 @@ class VLLMEngine:
         # torch.set_num_threads with a no-op after binding its OpenMP threads: leave the trainer's alone.
         states, set_num_threads, threads = _rng_states(), torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _explained(self, policy.config):
+                self.llm = vllm.LLM(**kwargs)
         finally:
             _restore_rng_states(states)
             torch.set_num_threads = set_num_threads
@@ -287,7 +313,7 @@ class VLLMEngine:
         # vLLM draws the exponentials of unseeded rows from the global RNG before overwriting seeded rows'
         # from their own generators: fork it so the trainer's stream does not depend on the rollout
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _explained(self, self.policy.config):
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.options.sleep_between_rollouts:  # weights to CPU, KV cache freed, until the next sync
             self.llm.sleep(level=1)
