@@ -38,7 +38,7 @@ def measure(out: str | Path, seeds: tuple[int, ...], ppo_steps: int, quick: bool
     config = (DemoConfig.quick if quick else DemoConfig)(out=str(out), ppo_steps=ppo_steps, seeds=tuple(seeds))
     models_dir = out / "models"
     models = (load_models(config, models_dir) if (models_dir / "reward" / "config.json").is_file()
-              else build_models(config, models_dir, lambda name, since: time.perf_counter()))
+              else build_models(config, models_dir))
     rl_prompts = models.task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in models.task.prompts(config.eval_prompts, seed=2)]
     sft_metrics, _ = evaluate_policy(models.sft, models.sft, models.reward_model, models.tokenizer, models.task,

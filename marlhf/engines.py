@@ -48,8 +48,8 @@ from torch import nn
 from marlhf.plugins import Plugin, Registry
 from marlhf.rollout import KVCache, SamplingNoise, generate_responses
 
-__all__ = ["RolloutEngine", "Generation", "EngineContext", "HFEngine", "HFOptions", "VLLMOptions", "ENGINES", "register_engine",
-           "get_engine", "make_engine"]
+__all__ = ["RolloutEngine", "Generation", "EngineContext", "HFEngine", "HFOptions", "VLLMOptions", "ENGINES",
+           "register_engine", "get_engine", "make_engine"]
 
 
 @dataclasses.dataclass

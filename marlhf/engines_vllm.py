@@ -180,9 +180,9 @@ def _explained(engine: VLLMEngine, model_config):
         yield
     except Exception as error:
         message = " ".join(str(error).split())
-        head_dim = getattr(model_config, "head_dim", None) or (
-            model_config.hidden_size // model_config.num_attention_heads)
         if "attention configuration" in message or "head size" in message.lower() or "head_dim" in message:
+            head_dim = getattr(model_config, "head_dim", None) or (
+                getattr(model_config, "hidden_size", 0) // max(getattr(model_config, "num_attention_heads", 1), 1))
             device = "CPU" if engine.on_cpu else "GPU"
             raise MarlhfError(f"vLLM's {device} attention cannot run this model (head size {head_dim}: {message}); "
                               "use rollout_engine='hf'") from error

@@ -136,14 +136,15 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached = None
     keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
+    wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
         generation = run.engine.generate(
             query_ids, query_mask, row_seeds=row_seeds,
             max_new_tokens=config.max_response_length,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            return_logprobs=keeps_sampling_logprobs or config.compares_rollout_logprobs)
-        if (keeps_sampling_logprobs or config.compares_rollout_logprobs) and generation.logprobs is None:
+            return_logprobs=wants_sampling_logprobs)
+        if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
         clock["generation"] = device_clock(device)
