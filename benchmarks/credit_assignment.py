@@ -136,9 +136,10 @@ def demo_config(task: str, setup: str, quick: bool, tasks: dict = TASKS, **extra
     task_seed)."""
     from marlhf.demo.config import DemoConfig
 
-    # "" cells are the paper's value weighting (`equal`), whatever PPOConfig's default (`first` since this study)
-    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, value_weighting="equal", **tasks[task],
-                   **SETUPS[setup], **extra)
+    # "" cells are the paper's value weighting (`equal`), whatever PPOConfig's default (`first` since this study);
+    # lam 0.95 was the default both studies were designed under (1 since Study II), so cells without their own lam keep it
+    options = dict(out="unused", seeds=(0,), gold_reward_scale=GOLD_SCALE, value_weighting="equal", lam=0.95,
+                   **tasks[task], **SETUPS[setup], **extra)
     if quick:  # seconds: the test's smoke grid
         return DemoConfig.quick(**options, pretrain_texts=256, sft_records=64, preference_records=128, ppo_steps=3,
                                 ppo_batch_size=8, eval_prompts=8)

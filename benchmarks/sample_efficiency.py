@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
 
     options = dict(out=arguments.out, seeds=tuple(arguments.seeds), terminations=EXTRA_TERMINATIONS,
-                   critic_init=arguments.critic_init, value_weighting=arguments.value_weighting)
+                   critic_init=arguments.critic_init, value_weighting=arguments.value_weighting,
+                   lam=0.95)  # the README's table: measured at the default before Study II
     if arguments.ppo_steps is not None:
         options["ppo_steps"] = arguments.ppo_steps
     config = DemoConfig.quick(**options) if arguments.quick else DemoConfig(**options)

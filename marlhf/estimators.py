@@ -77,7 +77,7 @@ def get_estimator(spec: str) -> Plugin:
 @dataclasses.dataclass(frozen=True)
 class GAEOptions:
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 1.0
     lam_critic: float | None = None
     lam_schedule: LamSchedule = "constant"
     lam_alpha: float = 0.05

@@ -53,6 +53,8 @@ class DemoConfig(ConfigBase):
     value_weighting: ValueWeighting = option(
         "first", "MA-PPO's segment values from token values (PPOConfig.value_weighting; first: the value where the "
                  "macro action starts, see Study I, docs/studies/credit-assignment.md; equal: the paper's)")
+    lam: float = option(1.0, "GAE lambda of the PPO-loop methods (PPOConfig.lam; 0.95: the paper's, and the "
+                             "default before Study II, docs/studies/lambda.md)", ge=0, le=1)
     segment_weighting: SegmentWeighting = option(
         "tokens", "MA-PPO's policy loss over macro actions (PPOConfig.segment_weighting)")
     critic_init: Literal["reward", "sft"] = option(

@@ -218,7 +218,8 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
         critic_model_name_or_path=str(models.sft_dir if config.critic_init == "sft" else models.reward_dir),
         max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=response_tokens,
         max_length=MAX_PROMPT_TOKENS + response_tokens,
-        **{"value_weighting": config.value_weighting, "segment_weighting": config.segment_weighting, **options})
+        **{"lam": config.lam, "value_weighting": config.value_weighting,
+           "segment_weighting": config.segment_weighting, **options})
     policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn)
     _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
     return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,
@@ -283,6 +284,7 @@ def _run_demo(config: DemoConfig) -> dict:
     summary["sft"] = sft_metrics
     summary["stage_seconds"] = stage_seconds
     summary["value_weighting"] = config.value_weighting  # MA-PPO's segment values: not the paper's by default
+    summary["lam"] = config.lam  # GAE lambda: not the paper's by default either
     summary["smoke_test"] = config.smoke_test
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold

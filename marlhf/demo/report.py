@@ -209,7 +209,9 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
         f"(stages: {', '.join(f'{k} {v:.0f} s' for k, v in summary['stage_seconds'].items())}).",
         "PPO optimises the reward model's score; the gold reward (in [-1, 1]) is the task's true objective.",
         f"MA-PPO's segment values: `value_weighting: {summary['value_weighting']}` (the paper's is `equal`; "
-        "`first`, the default, is the value of the state where a macro action starts).",
+        "`first`, the default, is the value of the state where a macro action starts); GAE lambda of the methods "
+        f"with a critic: `lam: {summary['lam']:g}` (the paper's is 0.95; 1, the default, is Study II's "
+        "tuned choice for token-level PPO and MA-PPO alike).",
         "",
         f"![gold and reward-model reward against step]({plot_name})",
         "",

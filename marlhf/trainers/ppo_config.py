@@ -133,7 +133,8 @@ class PPOConfig(TrainingConfig):
     rm_score_clip: float | None = option(
         None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
     gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
-    lam: float = option(0.95, "GAE lambda over macro actions", ge=0, le=1)
+    lam: float = option(1.0, "GAE lambda over macro actions (1 since Study II, whose tuning chose it for token-level "
+                                 "PPO and MA-PPO alike; the paper's: 0.95)", ge=0, le=1)
     lam_critic: float | None = option(
         None, "GAE lambda of the critic's targets, apart from the actor's advantages (VC-PPO's decoupled GAE uses 1); "
               "over macro actions like lam: the segment values' regression targets (none: lam)", ge=0, le=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from marlhf import cli
 from marlhf.demo import DemoConfig
@@ -36,6 +37,8 @@ def test_every_file_is_written(demo_run):
     report = (out / "report.md").read_text()
     assert "![" in report and "curves.png" in report
     assert "MA-PPO's segment values: `value_weighting: first` (" in report  # the default
+    assert "GAE lambda of the methods with a critic: `lam: 1` (" in report  # the default, Study II's tuned choice
+    assert all(yaml.safe_load((out / "runs" / m / "seed0" / "config.yaml").read_text())["lam"] == 1.0 for m in METHODS)
     assert all(f"| {m} |" in report for m in METHODS + EXTRA_METHODS + BASELINES)
     for name in ("metrics.jsonl", "eval_samples.jsonl", "config.yaml"):
         assert (out / "runs" / "dpo" / "seed0" / name).stat().st_size > 0, name

@@ -295,7 +295,7 @@ def test_config_validation():
     assert (defaults.lam_critic, defaults.lam_schedule, defaults.critic_warmup_steps, defaults.kl_target) == (
         None, "constant", 0, None)
     assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
-        0.2, 1.0, 0.95, 0.05, 1)
+        0.2, 1.0, 1.0, 0.05, 1)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.8, 50, 1.0)
     assert (defaults.max_prompt_length, defaults.max_response_length) == (512, 512)
     assert (defaults.ratio_granularity, defaults.segment_reward, defaults.last_token_own_segment,
