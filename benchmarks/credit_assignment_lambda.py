@@ -321,6 +321,28 @@ def _ci(stats: dict, digits: int = 3) -> str:
     return f"{_f(stats['mean'], digits)}" + ("" if math.isnan(low) else f" [{_f(low, digits)}, {_f(high, digits)}]")
 
 
+def headline(table: dict) -> list[str]:
+    """The short table the README carries: per group, TOK's and MA-PPO's final held-out gold and their paired
+    difference with its verdict; then the decision's case in one sentence."""
+    tok, d = table["tok"], table["decision"]
+    lines = ["## Headline: MA-PPO against the best-tuned token-level arm", "",
+             f"MA-PPO: {MA}+{table['settings'][MA]}; TOK: {tok}+{table['settings'][tok]}. Final held-out gold, mean "
+             "over (build, seed); difference paired by (build, seed) with its 95 % t-interval; p Holm-adjusted over "
+             "the groups.", "",
+             "| task / set-up | TOK | MA-PPO | MA-PPO - TOK | p (Holm) | verdict |", "|---|---|---|---|---|---|"]
+    for group, entry in table["groups"].items():
+        ma = entry["arms"][MA]
+        lines.append(f"| {group} | {_f(entry['arms'][tok]['gold']['mean'])} | {_f(ma['gold']['mean'])} "
+                     f"| {_ci(ma['vs_tok'])} | {_f(ma['vs_tok'].get('p_holm', math.nan))} | {ma['verdict']} |")
+    conclusion = {1: "TOK is ahead in no group: macro actions stay the default",
+                  2: "TOK is ahead in some group and MA-PPO in none: token-level PPO becomes the default",
+                  3: "each is ahead somewhere: macro actions stay the default"}[d["case"]]
+    lines += ["", f"{'' if d['complete'] else '**Incomplete, nothing is decided:** '}Case {d['case']} of the rule: "
+                  f"{conclusion} ({d['defaults']['family']}+{d['defaults']['setting']}). MA-PPO ahead in: "
+                  f"{', '.join(d['ma_ahead']) or 'none'}; TOK ahead in: {', '.join(d['tok_ahead']) or 'none'}.", ""]
+    return lines
+
+
 def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], choices: dict | None,
                  table: dict | None, second: dict) -> None:
     total = len(tuning_jobs(design)) + len(confirmation_jobs(design))
@@ -353,6 +375,7 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
     else:
         lines += ["", "Tuning incomplete: no setting is chosen yet.", ""]
     if table:
+        lines += headline(table)
         lines += ["## Confirmation (builds " + ", ".join(map(str, design.confirmation_builds)) + ", adaptive KL)", "",
                   "Final held-out gold: mean [95 % t-interval] over (build, seed); difference vs TOK paired by (build, "
                   "seed), 95 % t-interval, p two-sided, Holm over the groups within each arm.", ""]

@@ -86,6 +86,12 @@ def test_tuning_and_decision_rules_on_made_up_results(tmp_path):
     entry = table["groups"]["task1/gold_sft"]["arms"]["ma_first"]
     assert entry["vs_tok"]["mean"] == pytest.approx(0.2, abs=0.01) and entry["vs_tok"]["p_holm"] < 0.05
     assert table["groups"]["task1/gold_sft"]["arms"]["vcppo"]["verdict"] == "-"  # TOK itself
+    lines = study.headline(table)
+    assert lines[0].startswith("## Headline")
+    assert sum(line.startswith("| task") and "set-up" not in line for line in lines) == 6
+    assert "| task1/gold_sft | 0.615 | 0.8" in "\n".join(lines)  # TOK 0.5 + 0.01 x mean seed 11.5
+    assert "Case 1 of the rule: TOK is ahead in no group" in lines[-2]
+    assert "MA-PPO ahead in: task1/gold_sft;" in lines[-2]
 
     decision = confirm({"task3/rm_rm": -0.2})["decision"]
     assert decision["case"] == 2 and decision["tok_ahead"] == ["task3/rm_rm"] and decision["ma_ahead"] == []
