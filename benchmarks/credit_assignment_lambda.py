@@ -289,12 +289,13 @@ def decide(design: Design, table: dict, choices: dict) -> dict:
 
 def secondary(design: Design, results: dict[tuple, dict]) -> dict:
     """Fixed kl_coef: final gold, steps to 80 % of TOK's gain over the first step's gold (seed-mean curves) and gold
-    at TOK's final KL, per group (descriptive)."""
+    at TOK's final KL, per group (descriptive); a group only once all its runs have a result."""
     out = {}
+    runs = len(design.confirmation_builds) * len(design.confirmation_seeds)
     for task in design.tasks:
         for setup in design.setups:
             rs = {arm: [r for k, r in results.items() if k[:4] == ("secondary", task, setup, arm)] for arm in SECONDARY}
-            if not all(rs.values()):
+            if any(len(v) < runs for v in rs.values()):
                 continue
             gold = {arm: np.array([r["curves"]["gold_reward"] for r in v], dtype=float) for arm, v in rs.items()}
             kl = {arm: np.array([r["curves"]["objective/kl"] for r in v], dtype=float) for arm, v in rs.items()}
@@ -398,9 +399,14 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
                   f"MA ahead in: {', '.join(d['ma_ahead']) or 'none'}; TOK ahead in: {', '.join(d['tok_ahead']) or 'none'}"
                   f"; no difference detected in: {', '.join(d['no_difference']) or 'none'}. Case {d['case']}: defaults "
                   f"{d['defaults']['family']}+{d['defaults']['setting']} ({d['defaults']['options']}).", ""]
+    secondary_jobs = [job for job in confirmation_jobs(design) if job[0] == "secondary"]
+    done = sum(job in results for job in secondary_jobs)
+    if choices:
+        lines += ["## Secondary: fixed kl_coef 0.05 (descriptive)", ""]
+        if done < len(secondary_jobs):
+            lines += [f"Running: {done} of {len(secondary_jobs)} runs; a group is shown once all its runs are in.", ""]
     if second:
-        lines += ["## Secondary: fixed kl_coef 0.05 (descriptive)", "",
-                  "| group | arm | runs | final gold | final KL | steps to 80 % of TOK's gain | gold at TOK's final KL |",
+        lines += ["| group | arm | runs | final gold | final KL | steps to 80 % of TOK's gain | gold at TOK's final KL |",
                   "|---|---|---|---|---|---|---|"]
         for group, arms in second.items():
             for arm, e in arms.items():

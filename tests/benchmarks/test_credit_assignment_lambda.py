@@ -86,6 +86,9 @@ def test_tuning_and_decision_rules_on_made_up_results(tmp_path):
     entry = table["groups"]["task1/gold_sft"]["arms"]["ma_first"]
     assert entry["vs_tok"]["mean"] == pytest.approx(0.2, abs=0.01) and entry["vs_tok"]["p_holm"] < 0.05
     assert table["groups"]["task1/gold_sft"]["arms"]["vcppo"]["verdict"] == "-"  # TOK itself
+    _write(tmp_path, ("secondary", "task1", "gold_sft", "tok_fixed_kl", 1, 10), 0.5)
+    _write(tmp_path, ("secondary", "task1", "gold_sft", "ma_first_fixed_kl", 1, 10), 0.5)
+    assert study.secondary(design, study.load_results(tmp_path)) == {}  # 1 of 8 runs: not shown yet
     lines = study.headline(table)
     assert lines[0].startswith("## Headline")
     assert sum(line.startswith("| task") and "set-up" not in line for line in lines) == 6
