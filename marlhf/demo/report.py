@@ -19,6 +19,10 @@ from marlhf.logging_utils import METRICS_FILE
 
 BASELINE = "ppo"
 FINAL_KEYS = ("gold_reward", "rm_reward", "kl")
+STUDY_II = ("What a larger test found: Study II (docs/studies/lambda.md; 3 tasks, 8 seeds on 2 builds, tuned "
+            "token-level baselines, equal KL) found MA-PPO (n = 5, `first`) and token-level PPO level at lambda 1 in "
+            "every task and set-up: on these tasks macro actions add nothing beyond a tuned lambda. Two seeds on one "
+            "build, as here, cannot tell differences of that size apart.")
 SMOKE_TEST_NOTE = ("smoke test (--quick): a few steps on one seed to check that the pipeline runs; its figures are "
                    "not results (run without --quick for those)")
 
@@ -212,6 +216,7 @@ def write_report(summary: dict, path: str | Path, plot_name: str, examples: dict
         "`first`, the default, is the value of the state where a macro action starts); GAE lambda of the methods "
         f"with a critic: `lam: {summary['lam']:g}` (the paper's is 0.95; 1, the default, is Study II's "
         "tuned choice for token-level PPO and MA-PPO alike).",
+        STUDY_II,
         "",
         f"![gold and reward-model reward against step]({plot_name})",
         "",
