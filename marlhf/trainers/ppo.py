@@ -32,10 +32,11 @@ Termination rules, estimators, policy losses and engines are plug-ins (marlhf.pl
 dotted path, each with its own options; `PPOConfig` lives in marlhf.trainers.ppo_config and what is set up
 before the first step (models, reward source, optimisers) in marlhf.trainers.ppo_setup.
 
-Defaults follow the paper (docs/algorithm.md) but one: a macro action's value is the value of the state where it
+Defaults follow the paper (docs/algorithm.md) but two: a macro action's value is the value of the state where it
 starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (Study I,
-benchmarks/results/credit_assignment/README.md);
-`value_weighting="equal"` is the paper's. `ratio_granularity`, `segment_reward`, `last_token_own_segment`
+benchmarks/results/credit_assignment/README.md; `value_weighting="equal"` is the paper's), and `lam=1`, Study
+II's tuned lambda for token-level PPO and MA-PPO alike (benchmarks/results/credit_assignment_lambda/README.md; the
+paper's is 0.95). `ratio_granularity`, `segment_reward`, `last_token_own_segment`
 and `rm_score_clip` reproduce the released code's choices instead; `segment_weighting` offers the study's
 alternatives of the policy loss.
 
