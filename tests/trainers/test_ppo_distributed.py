@@ -86,10 +86,14 @@ def runs(request, one_process_run, two_process_run):
 
 
 def _assert_same_final_policy(expected_run: Path, run: Path) -> None:
+    """Equal to float tolerance. Adam at lr 1e-2 magnifies the gradients' reduction-order differences (~1e-7) on
+    weights whose gradient is near 0: measured up to 9e-6 with lam 0.95 and 1.6e-5 with lam 1 (1 vs 2 processes,
+    DDP). Whitening per process instead of over all rows, the kind of bug this guards against, moves 74 % of the
+    weights, by up to 4e-2."""
     expected, actual = load_file(str(expected_run / "model.safetensors")), load_file(str(run / "model.safetensors"))
     assert expected.keys() == actual.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_two_processes_train_like_one_with_the_doubled_batch(runs):
@@ -118,8 +122,8 @@ def test_the_update_changed_the_policy(runs, tiny_tokenizer):
 def test_deepspeed_trains_policy_and_critic_like_ddp(two_process_run, zero):
     """2 processes under ZeRO-2 / ZeRO-3 (configs/accelerate/deepspeed_zero<N>.yaml's settings, float32 on CPU),
     each model stepped by its own engine, against 2 processes under DDP: same samples, so the same policy up to
-    the order of the gradient reductions (measured: 2e-7 at most under ZeRO-2, 2e-6 under ZeRO-3), and the
-    same metrics, the critic's included."""
+    the order of the gradient reductions (measured at lam 1: 9e-6 at most under ZeRO-2, 1.3e-5 under ZeRO-3), and
+    the same metrics, the critic's included."""
     ddp, sharded = two_process_run("gae", "ddp"), two_process_run("gae", zero)
     _assert_same_final_policy(ddp, sharded)
     metrics_ddp, metrics_sharded = read_metrics(ddp), read_metrics(sharded)
