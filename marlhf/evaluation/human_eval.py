@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import signal
 import threading
 import time
 import urllib.parse
@@ -140,8 +141,12 @@ def make_server(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 
 
 
 def serve(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until interrupted (Ctrl-C), then print the summary."""
+    """Serve until interrupted (Ctrl-C, or SIGTERM from `kill`), then print the summary."""
     server = make_server(session, host, port)
+    if threading.current_thread() is threading.main_thread():
+        # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored.
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop_signal, signal.default_int_handler)
     print(f"human evaluation: open http://{host}:{server.server_address[1]}/ ; choices go to {session.out_path}", flush=True)
     try:
         server.serve_forever()

@@ -82,11 +82,14 @@ def test_human_eval_summary_command(tmp_path, capsys):
         cli.main(["human-eval", "--a", "x.jsonl"])
 
 
-def test_human_eval_command_serves_until_interrupted(tmp_path, response_files):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_human_eval_command_serves_until_interrupted(tmp_path, response_files, stop_signal):
     out = tmp_path / "choices.jsonl"
+    # SIGINT ignored on entry, as in a background job of a shell script: the server must still stop on it
     process = subprocess.Popen([sys.executable, "-m", "marlhf", "human-eval", "--a", str(response_files[0]),
                                 "--b", str(response_files[1]), "--out", str(out), "--port", "0"],
-                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)
+                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         url = process.stdout.readline().split("open ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
@@ -94,7 +97,7 @@ def test_human_eval_command_serves_until_interrupted(tmp_path, response_files):
         request = urllib.request.Request(url + "choose", data=b"index=0&side=tie", method="POST")
         assert "Prompt 2 of 6" in urllib.request.urlopen(request, timeout=10).read().decode()  # after the redirect
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop_signal)
         remaining, _ = process.communicate(timeout=10)
     assert json.loads(remaining.strip().splitlines()[-1])["ties"] == 1
     assert json.loads(out.read_text())["choice"] == "tie"
