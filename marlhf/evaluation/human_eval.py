@@ -143,10 +143,12 @@ def make_server(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 
 def serve(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until interrupted (Ctrl-C, or SIGTERM from `kill`), then print the summary."""
     server = make_server(session, host, port)
+    # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored; the caller's
+    # handlers come back afterwards.
+    previous_handlers = {}
     if threading.current_thread() is threading.main_thread():
-        # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored.
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(stop_signal, signal.default_int_handler)
+        previous_handlers = {stop_signal: signal.signal(stop_signal, signal.default_int_handler)
+                             for stop_signal in (signal.SIGINT, signal.SIGTERM)}
     print(f"human evaluation: open http://{host}:{server.server_address[1]}/ ; choices go to {session.out_path}", flush=True)
     try:
         server.serve_forever()
@@ -154,6 +156,8 @@ def serve(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 8000) 
         pass
     finally:
         server.server_close()
+        for stop_signal, handler in previous_handlers.items():
+            signal.signal(stop_signal, handler)
     print(json.dumps(session.summary()))
 
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from marlhf.evaluation.human_eval import HumanEvalSession, cohen_kappa, make_server, summarize_choices
+from marlhf.evaluation.human_eval import HumanEvalSession, cohen_kappa, make_server, serve, summarize_choices
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -211,3 +212,17 @@ def test_agreement_of_two_annotators(tmp_path):
     assert summary["agreement"]["cohen_kappa"] == pytest.approx(kappa_reference(first, second))
     assert math.isnan(cohen_kappa(["A", "A"], ["A", "A"]))
     assert cohen_kappa(["A", "B"], ["A", "B"]) == pytest.approx(1.0)
+
+
+def test_serve_stops_on_sigterm_and_gives_the_callers_handlers_back(tmp_path, capsys):
+    session = HumanEvalSession(["p"], ["a"], ["b"], tmp_path / "choices.jsonl")
+    caller_handler = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, caller_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        serve(session, port=0)
+        assert signal.getsignal(signal.SIGTERM) is caller_handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ties"] == 0
