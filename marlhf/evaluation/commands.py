@@ -50,6 +50,9 @@ def _judge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=".judge_cache",
                         help="on-disk cache of the endpoint's answers (default: .judge_cache)")
     parser.add_argument("--max-workers", type=int, default=4, help="concurrent requests (default: 4)")
+    parser.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="total time one request to --judge-url may take, its retries included; the first "
+                             "request that gives up ends the run (default: 15)")
     parser.add_argument("--template", default=None,
                         help="text file of the judge's prompt with {prompt}, {first} and {second}, asking for an "
                              "answer of 1, 2 or tie (default: marlhf.evaluation.judge.JUDGE_TEMPLATE)")
@@ -66,7 +69,8 @@ def _run_judge(arguments: argparse.Namespace) -> int:
     if arguments.judge_url is not None:
         template = JUDGE_TEMPLATE if arguments.template is None else Path(arguments.template).read_text()
         judge = ChatJudge(arguments.judge_url, arguments.judge_model, api_key_env=arguments.api_key_env,
-                          cache_dir=arguments.cache_dir, template=template, max_workers=arguments.max_workers)
+                          cache_dir=arguments.cache_dir, template=template, max_workers=arguments.max_workers,
+                          timeout_s=arguments.timeout)
     else:
         import torch
 

@@ -6,26 +6,33 @@ position cannot favour a system. Two judges:
 
 - `RewardModelJudge`: a callable scoring (prompts, responses) -> scores; the higher score wins.
 - `ChatJudge`: any OpenAI-compatible chat-completions endpoint. Requests are retried with
-  exponential back-off on 429, 5xx and timeouts, and cached on disk under a hash of the request,
-  so rerunning an evaluation sends nothing twice.
+  exponential back-off on 429, 5xx, timeouts and dropped connections, within a total time limit per
+  request (`timeout_s`, the command's `--timeout`); the first request that gives up stops the others and
+  ends in one `MarlhfError` line naming the endpoint, the last status and what to do. Another 4xx, a
+  refused connection or an unknown host is not retried. Answers are cached on disk under a hash of the
+  request, so rerunning an evaluation sends nothing twice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
+
+from marlhf.errors import MarlhfError
 
 Preference = Literal["first", "second", "tie", "invalid"]  # "invalid": the judge's answer could not be parsed
 
@@ -70,7 +77,9 @@ class ChatJudge:
     """A judge behind an OpenAI-compatible `POST {url}/chat/completions` endpoint.
 
     The API key is read from the environment variable `api_key_env` (none: no Authorization header);
-    it is never part of the cache key. `cache_dir` None disables the cache."""
+    it is never part of the cache key. `cache_dir` None disables the cache. `timeout_s`: the total time one
+    request may take, its retries and back-off included; `attempt_timeout_s`: the limit of one try (None: the
+    time left, so a try that times out is the last). At most `max_retries` retries."""
 
     def __init__(
         self,
@@ -81,14 +90,16 @@ class ChatJudge:
         template: str = JUDGE_TEMPLATE,
         max_retries: int = 5,
         backoff_s: float = 1.0,
-        timeout_s: float = 60.0,
+        timeout_s: float = 15.0,
+        attempt_timeout_s: float | None = None,
         max_workers: int = 4,
         max_tokens: int = 8,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        if backoff_s < 0 or timeout_s <= 0:
-            raise ValueError(f"backoff_s must be >= 0 and timeout_s > 0, got {backoff_s} and {timeout_s}")
+        if backoff_s < 0 or not timeout_s > 0 or not (attempt_timeout_s is None or attempt_timeout_s > 0):
+            raise ValueError(f"backoff_s must be >= 0, timeout_s > 0 and attempt_timeout_s > 0 or None, got "
+                             f"{backoff_s}, {timeout_s} and {attempt_timeout_s}")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         missing = [f"{{{name}}}" for name in ("prompt", "first", "second") if f"{{{name}}}" not in template]
@@ -107,13 +118,36 @@ class ChatJudge:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
+        self._stop = threading.Event()  # set when one request gave up: the others stop retrying
         self.max_workers = max_workers
         self.max_tokens = max_tokens
 
     def compare(self, prompts: list[str], first: list[str], second: list[str]) -> list[Preference]:
         messages = [self.template.format(prompt=p, first=a, second=b) for p, a, b in zip(prompts, first, second)]
+        replies: list[str] = [""] * len(messages)
+        self._stop.clear()
+
+        # The first failure in time ends the run: no request starts after it and the ones in flight stop before
+        # their next try, instead of each spending its own time limit on the same endpoint.
+        def complete_unless_stopped(message: str) -> str:
+            if self._stop.is_set():
+                raise MarlhfError(f"judge endpoint {self.endpoint}: not sent, another request gave up")
+            try:
+                return self.complete(message)
+            except BaseException:
+                self._stop.set()
+                raise
+
         with ThreadPoolExecutor(self.max_workers) as pool:
-            replies = list(tqdm(pool.map(self.complete, messages), total=len(messages), desc="judge", disable=None))
+            index = {pool.submit(complete_unless_stopped, message): i for i, message in enumerate(messages)}
+            try:
+                for future in tqdm(as_completed(index), total=len(index), desc="judge", disable=None):
+                    replies[index[future]] = future.result()
+            except BaseException:  # a failure, or Ctrl-C in this thread
+                self._stop.set()
+                pool.shutdown(cancel_futures=True)
+                raise
         return [parse_preference(reply) for reply in replies]
 
     def complete(self, message: str) -> str:
@@ -123,51 +157,80 @@ class ChatJudge:
         key = hashlib.sha256(json.dumps({"endpoint": self.endpoint, "body": body}, sort_keys=True).encode()).hexdigest()
         cache_file = self.cache_dir / key[:2] / f"{key}.json" if self.cache_dir is not None else None
         if cache_file is not None and cache_file.is_file():
-            response = json.loads(cache_file.read_text())
-        else:
-            response = self._post(body)
-            if cache_file is not None:
-                cache_file.parent.mkdir(parents=True, exist_ok=True)
-                partial = cache_file.with_suffix(f".{os.getpid()}.{id(body)}.tmp")
-                partial.write_text(json.dumps(response))
-                os.replace(partial, cache_file)  # atomic: a crash never leaves half a cache entry
+            return self._content(json.loads(cache_file.read_text()))
+        response = self._post(body)
+        content = self._content(response)  # checked before caching: a malformed answer is not kept
+        if cache_file is not None:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache_file.with_suffix(f".{os.getpid()}.{id(body)}.tmp")
+            partial.write_text(json.dumps(response))
+            os.replace(partial, cache_file)  # atomic: a crash never leaves half a cache entry
+        return content
+
+    def _content(self, response: Any) -> str:
         try:
-            return response["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError) as error:
-            raise RuntimeError(f"judge endpoint returned no choices[0].message.content: {response!r:.300}") from error
+            content = response["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            content = None
+        if not isinstance(content, str):
+            raise MarlhfError(f"judge endpoint {self.endpoint} answered without a string choices[0].message.content "
+                              f"({response!r:.200}); is it an OpenAI-compatible chat-completions endpoint?")
+        return content
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode()
-        attempt = 0
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        tries = 0
         while True:
             request = urllib.request.Request(self.endpoint, data=data, headers=headers, method="POST")
-            retry_after = None
+            left = deadline - time.monotonic()
+            tries += 1
+            delay = self.backoff_s * 2 ** (tries - 1)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    return json.loads(reply.read())
+                timeout = max(min(left, self.attempt_timeout_s or left), 1e-3)
+                with urllib.request.urlopen(request, timeout=timeout) as reply:
+                    text = reply.read()
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    raise MarlhfError(f"judge endpoint {self.endpoint} answered HTTP 200 with a body that is not "
+                                      f"JSON ({text[:200]!r}); is it an OpenAI-compatible chat-completions "
+                                      "endpoint?") from None
             except urllib.error.HTTPError as error:
+                status = f"answered HTTP {error.code} {error.reason}"
                 if error.code != 429 and error.code < 500:  # a client error: retrying cannot help
-                    raise RuntimeError(f"judge endpoint {self.endpoint} answered HTTP {error.code}: "
-                                       f"{error.read()[:300]!r}") from error
-                failure: Exception = error
-                retry_after = error.headers.get("Retry-After")
-            except (TimeoutError, ConnectionError) as error:
-                failure = error
-            except urllib.error.URLError as error:
-                if not isinstance(error.reason, (TimeoutError, ConnectionError)):
-                    raise
-                failure = error
-            if attempt == self.max_retries:
-                raise RuntimeError(f"judge endpoint {self.endpoint} failed {self.max_retries + 1} times; "
-                                   f"last error: {failure}") from failure
-            delay = self.backoff_s * 2**attempt
-            if retry_after is not None and retry_after.strip().isdigit():
-                delay = max(delay, float(retry_after))
-            time.sleep(delay)
-            attempt += 1
+                    raise MarlhfError(f"judge endpoint {self.endpoint} {status} ({error.read()[:200].decode(errors='replace')!r}); "
+                                      f"{_CLIENT_ERROR_HINTS.get(error.code, _CLIENT_ERROR_HINT)}") from None
+                retry_after = error.headers.get("Retry-After", "").strip()
+                if retry_after.isdigit():
+                    delay = max(delay, float(retry_after))
+            except (TimeoutError, ConnectionError, http.client.HTTPException, urllib.error.URLError) as error:
+                reason = error.reason if isinstance(error, urllib.error.URLError) else error
+                if isinstance(reason, ConnectionRefusedError) or not isinstance(
+                        reason, (TimeoutError, ConnectionError, http.client.HTTPException)):
+                    # nothing listens there, or an unknown host or a TLS failure: waiting cannot help
+                    raise MarlhfError(f"judge endpoint {self.endpoint} cannot be reached ({reason}); check "
+                                      "--judge-url and that the server is running") from None
+                status = f"failed ({'timed out' if isinstance(reason, TimeoutError) else reason or type(reason).__name__})"
+            elapsed = time.monotonic() - started
+            if tries > self.max_retries or time.monotonic() + delay >= deadline:
+                raise MarlhfError(f"judge endpoint {self.endpoint} {status} after {tries} "
+                                  f"{'try' if tries == 1 else 'tries'} in {elapsed:.1f} s; check that the server "
+                                  f"is up and serves --judge-model, retry later, or raise --timeout (now "
+                                  f"{self.timeout_s:g} s)")
+            if self._stop.wait(delay):
+                raise MarlhfError(f"judge endpoint {self.endpoint}: stopped, another request gave up")
+
+
+_CLIENT_ERROR_HINT = "check --judge-url, --judge-model and --template"
+_CLIENT_ERROR_HINTS = {401: "check the API key in the variable named by --api-key-env",
+                       403: "check the API key in the variable named by --api-key-env and its permissions",
+                       404: "check --judge-url (the endpoint's base, e.g. https://api.openai.com/v1; "
+                            "/chat/completions is added)"}
 
 
 def parse_preference(reply: str) -> Preference:

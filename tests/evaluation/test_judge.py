@@ -1,7 +1,12 @@
 import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from marlhf import cli
+from marlhf.errors import MarlhfError
 from marlhf.evaluation.judge import (ChatJudge, RewardModelJudge, judge_pairwise, load_pairs, parse_preference,
                                      write_jsonl)
 
@@ -42,7 +47,7 @@ def test_position_bias_cancels_out(judge_server):
 
 def test_retries_500_429_and_timeouts_then_succeeds(judge_server):
     judge_server.failures = [500, 429, "sleep", 503]
-    judge = make_judge(judge_server, max_workers=1, timeout_s=0.3)
+    judge = make_judge(judge_server, max_workers=1, attempt_timeout_s=0.3)
     assert judge.compare(["q"], ["GOOD one"], ["other"]) == ["first"]
     assert len(judge_server.requests) == 5
     assert judge_server.requests[0]["path"] == "/v1/chat/completions"
@@ -50,11 +55,11 @@ def test_retries_500_429_and_timeouts_then_succeeds(judge_server):
 
 def test_gives_up_after_max_retries_and_does_not_retry_client_errors(judge_server):
     judge_server.failures = [500] * 3
-    with pytest.raises(RuntimeError, match="failed 3 times"):
+    with pytest.raises(MarlhfError, match="answered HTTP 500 Internal Server Error after 3 tries"):
         make_judge(judge_server, max_workers=1, max_retries=2).compare(["q"], ["a"], ["b"])
     judge_server.requests.clear()
     judge_server.failures = [400]
-    with pytest.raises(RuntimeError, match="HTTP 400"):
+    with pytest.raises(MarlhfError, match="HTTP 400"):
         make_judge(judge_server, max_workers=1).compare(["q"], ["a"], ["b"])
     assert len(judge_server.requests) == 1
 
@@ -112,3 +117,89 @@ def test_unparseable_answers_are_counted_not_guessed(judge_server):
     assert [j["winner"] for j in judgments] == ["invalid"] * 3
     assert summary["invalid"] == 3 and summary["wins"] + summary["ties"] + summary["losses"] == 0
     assert summary["win_rate"] is None  # nothing was decided
+
+
+class StuckHandler(BaseHTTPRequestHandler):
+    """Reads the request, then hangs until the test ends ("hang"), closes the connection unanswered ("drop") or
+    answers 200 with JSON that is not a chat completion ("junk")."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.requests.append(self.path)
+        if self.server.behaviour == "hang":
+            self.server.release.wait(60)
+        elif self.server.behaviour == "junk":
+            self.send_response(200)
+            self.send_header("Content-Length", "17")
+            self.end_headers()
+            self.wfile.write(b'{"error": "busy"}')
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stuck_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StuckHandler)
+    server.daemon_threads = True
+    server.requests, server.lock, server.release, server.behaviour = [], threading.Lock(), threading.Event(), "hang"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def judge_command(tmp_path, capsys, url, *options):
+    """`marlhf judge` on 40 prompts against `url`: (exit code, its stderr, seconds it took)."""
+    prompts = [f"question {i}" for i in range(40)]
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": p, "response": "GOOD"} for p in prompts])
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": p, "response": "poor"} for p in prompts])
+    started = time.monotonic()
+    code = cli.main(["judge", "--a", str(tmp_path / "a.jsonl"), "--b", str(tmp_path / "b.jsonl"), "--out",
+                     str(tmp_path / "j.jsonl"), "--judge-url", url, "--cache-dir", str(tmp_path / "cache"), *options])
+    return code, capsys.readouterr().err, time.monotonic() - started
+
+
+def test_an_endpoint_answering_500_ends_in_one_line_within_the_timeout(tmp_path, capsys, judge_server):
+    judge_server.failures = [500] * 1000
+    code, err, seconds = judge_command(tmp_path, capsys, judge_server.url, "--timeout", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.match(rf"marlhf: error: judge endpoint {judge_server.url}/chat/completions answered HTTP 500 Internal "
+                    r"Server Error after \d+ tries in \d+\.\d s; .*raise --timeout \(now 2 s\)", err), err
+    assert seconds < 10  # behaviour, not a benchmark: 2 s of retries, not the default's 5 retries per prompt
+    assert not (tmp_path / "j.jsonl").exists()
+
+
+def test_a_client_error_is_not_retried(tmp_path, capsys, judge_server):
+    judge_server.failures = [401] * 1000
+    code, err, _ = judge_command(tmp_path, capsys, judge_server.url, "--max-workers", "1")
+    assert code == 2 and "answered HTTP 401 Unauthorized" in err and "--api-key-env" in err, err
+    assert len(judge_server.requests) == 1  # neither retried nor followed by the 39 queued requests
+
+
+def test_a_hanging_endpoint_gives_up_at_the_timeout_and_stops_the_queued_requests(tmp_path, capsys, stuck_server):
+    code, err, seconds = judge_command(tmp_path, capsys, stuck_server.url, "--timeout", "2", "--max-workers", "4")
+    assert code == 2 and "failed (timed out) after 1 try in 2." in err, err
+    assert len(stuck_server.requests) <= 4 and seconds < 10  # one round of 4 workers, not 10 rounds of 2 s
+
+
+def test_a_dropped_connection_is_retried_and_a_closed_port_is_not(tmp_path, capsys, stuck_server):
+    stuck_server.behaviour = "drop"
+    code, err, _ = judge_command(tmp_path, capsys, stuck_server.url, "--timeout", "2", "--max-workers", "1")
+    assert code == 2 and "failed (Remote end closed connection without response) after 2 tries" in err, err
+    assert len(stuck_server.requests) == 2  # tried at 0 s and 1 s; the next back-off (2 s) passes the limit
+    stuck_server.server_close()  # nothing listens on the port any more
+    code, err, _ = judge_command(tmp_path, capsys, stuck_server.url, "--timeout", "2")
+    assert code == 2 and "cannot be reached" in err and "Connection refused" in err, err
+
+
+def test_an_answer_without_choices_is_one_line_and_not_cached(tmp_path, capsys, stuck_server):
+    stuck_server.behaviour = "junk"
+    code, err, _ = judge_command(tmp_path, capsys, stuck_server.url, "--max-workers", "1")
+    assert code == 2 and "answered without a string choices[0].message.content ({'error': 'busy'})" in err, err
+    assert not list((tmp_path / "cache").rglob("*.json"))  # a rerun asks again
