@@ -15,11 +15,14 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
+import traceback
+import typing
 import warnings
 
 from marlhf.demo.command import DEMO
-from marlhf.errors import did_you_mean, one_line
+from marlhf.errors import USAGE_EXIT, Interrupted, MissingPackage, OutOfMemory, did_you_mean, one_line
 from marlhf.evaluation.commands import TOOLS
 
 TOOLS = {**TOOLS, "demo": DEMO}  # the file-based tools and the embedded demo
@@ -38,12 +41,20 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, `marlhf: error: COMMAND: ...` (exit 2), as marlhf's own."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        command = self.prog.removeprefix("marlhf").strip()
+        self.exit(USAGE_EXIT, f"marlhf: error: {command + ': ' if command else ''}{message} "
+                              f"(`{self.prog} --help` lists the options)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser; only `command`'s subparser gets its options (importing its trainer). Flags are
     never abbreviated (`--learning_rat` is an unknown flag, not `--learning_rate`); `parser.commands` maps each
     command to its subparser."""
-    parser = argparse.ArgumentParser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).",
-                                     allow_abbrev=False)
+    parser = _Parser(prog="marlhf", description="RLHF with macro actions (MA-RLHF).", allow_abbrev=False)
     parser.add_argument("--verbose", action="store_true",
                         help="also show the libraries' progress bars, info messages and warnings (any position)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -67,7 +78,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         subparser = parser.commands[arguments.command]
         known = [flag for action in subparser._actions for flag in action.option_strings]
         flags = [word for word in unknown if word.startswith("-")] or unknown
-        parser.exit(2, f"marlhf: error: {arguments.command}: unrecognized arguments: " + ", ".join(
+        parser.exit(USAGE_EXIT, f"marlhf: error: {arguments.command}: unrecognized arguments: " + ", ".join(
             f"{flag}{did_you_mean(flag.split('=')[0], known)}" for flag in flags) + "\n")
     return arguments
 
@@ -109,22 +120,88 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command. Expected failures (marlhf.errors: bad input, paths, data, resume, missing files) print one
-    line, `marlhf: error: ...`, and return 2; `--verbose` shows their traceback instead."""
+    """Run a command; the one error boundary of every command. An expected failure prints one line,
+    `marlhf: error: <what, where, what to do>`, and returns its class's exit code (marlhf.errors: 2 for bad
+    input, 3 a missing optional package, 4 out of memory, 130 Ctrl-C); `--verbose` shows its traceback first.
+    Anything else is a bug in marlhf: its traceback, then a line asking for a report, exit 1."""
     argv = sys.argv[1:] if argv is None else argv
     verbose = "--verbose" in argv
     argv = [argument for argument in argv if argument != "--verbose"]
     quiet_libraries(verbose)
+    started: list = []  # the command's config once it is built: what a stopped run saved
     try:
-        return _run(argv)
-    except (ValueError, OSError) as error:  # MarlhfError is a ValueError
+        return _run(argv, started)
+    except (KeyboardInterrupt, Exception) as error:  # sorted into expected failures and bugs
+        expected = _expected_failure(error, started[0] if started else None)
+        if expected is None:
+            traceback.print_exc()
+            print(f"marlhf: error: this is a bug in marlhf ({type(error).__name__}), not in your input; please report "
+                  "it with the output of the same command run with --verbose", file=sys.stderr)
+            return 1
         if verbose:
-            raise
-        print(f"marlhf: error: {one_line(error)} (--verbose shows the traceback)", file=sys.stderr)
-        return 2
+            traceback.print_exc()
+        hint = "" if verbose or isinstance(expected, Interrupted) else " (--verbose shows the traceback)"
+        print(f"marlhf: error: {one_line(expected)}{hint}", file=sys.stderr)
+        return getattr(expected, "exit_code", USAGE_EXIT)
 
 
-def _run(argv: list[str]) -> int:
+def _expected_failure(error: BaseException, config) -> BaseException | None:
+    """`error` as an expected failure of the user's input or environment (None: a bug). Bad input is a
+    ValueError (MarlhfError, or a check's plain ValueError) or an OSError about their files, paths or endpoints;
+    Ctrl-C, out-of-memory and a missing optional package become their marlhf.errors classes."""
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(f"interrupted (Ctrl-C); {_saved(config)}")
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
+        what = ". ".join(one_line(error).split(". ")[:2])  # "CUDA out of memory. Tried to allocate 2.00 GiB"
+        return OutOfMemory(f"out of memory ({what}){_memory_options(config)}")
+    if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] != "marlhf":
+        return MissingPackage(f"this needs the Python package {error.name.split('.')[0]!r}, which is not installed "
+                              f"here: {_install_hint(error.name.split('.')[0])}")
+    if isinstance(error, (ValueError, OSError)):  # MarlhfError is a ValueError
+        return error
+    return None
+
+
+def _saved(config) -> str:
+    """A trainer's newest checkpoint and how to continue; for another command, that it does not resume."""
+    if config is None or not hasattr(config, "save_steps"):
+        return "this command does not resume: run it again"
+    from marlhf.trainers.common import what_was_saved
+
+    return what_was_saved(config)
+
+
+_MEMORY_OPTIONS = ("per_device_batch_size", "forward_batch_size", "batch_size", "max_length", "max_prompt_length",
+                   "max_response_length")
+
+
+def _memory_options(config) -> str:
+    """': lower <the command's batch and length options, with their values>'."""
+    values = config.to_dict() if config is not None else {}
+    named = [f"{name} ({values[name]})" for name in _MEMORY_OPTIONS if values.get(name) is not None]
+    if not named:
+        return ": free memory on the device, or use a larger one"
+    checkpointing = ", or set gradient_checkpointing" if values.get("gradient_checkpointing") is False else ""
+    return f": lower {', '.join(named[:-1])} or {named[-1]}{checkpointing}"
+
+
+def _install_hint(package: str) -> str:
+    """The marlhf extra that installs `package` (pyproject's optional dependencies), else pip install it."""
+    from importlib import metadata
+
+    try:
+        requirements = metadata.requires("marlhf") or []
+    except metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        name, _, marker = requirement.partition(";")
+        if "extra ==" in marker and re.split(r"[-=<>~!\[ ]", name.strip())[0].lower() == package.lower():
+            extra = marker.split("==")[1].strip(" \"'")
+            return f"pip install 'marlhf[{extra}]'"
+    return f"pip install {package}"
+
+
+def _run(argv: list[str], started: list) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else None
     if command == "ppo":
         from marlhf.trainers.ppo_config import import_named_plugins
@@ -139,7 +216,8 @@ def _run(argv: list[str]) -> int:
     try:
         config = config_class.from_arguments(arguments)
     except ValueError as error:
-        parser.exit(2, f"marlhf: error: {arguments.command}: {one_line(error)}\n")
+        parser.exit(USAGE_EXIT, f"marlhf: error: {arguments.command}: {one_line(error)}\n")
+    started.append(config)
     from marlhf.modeling import check_model_path
 
     for name, value in config.to_dict().items():  # a missing model fails before any data is read

@@ -28,15 +28,17 @@ import math
 import re
 import types
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from marlhf.errors import did_you_mean
+from marlhf.errors import MarlhfError, did_you_mean
 from marlhf.logging_utils import check_report_to
 
 _NONE_WORDS = ("none", "null")
+_TRUE_WORDS, _FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")  # YAML 1.1's, and 1/0
 LLAMA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # Llama / Gemma / Mistral / Qwen module names
 
 
@@ -144,7 +146,8 @@ def _argparse_kwargs(name: str, annotation: Any) -> dict[str, Any]:
     inner, optional = _split_optional(annotation)
     origin = typing.get_origin(inner)
     if inner is bool and not optional:
-        return {"action": argparse.BooleanOptionalAction}
+        # `--name` alone, or `--name true|false` as in a config file
+        return {"nargs": "?", "const": True, "metavar": "true|false", "type": _scalar_parser(name, bool, optional)}
     if origin is dict:
         return {"metavar": "'{OPTION: VALUE, ...}'"}  # a string, read as YAML by coerce_option
     if origin is tuple:
@@ -166,13 +169,13 @@ def _scalar_parser(name: str, annotation: Any, optional: bool):
         if optional and text.lower() in _NONE_WORDS:
             return None
         if base is bool:
-            if text.lower() not in ("true", "false"):
-                raise argparse.ArgumentTypeError(f"--{name} expects true or false, got {text!r}")
-            return text.lower() == "true"
+            if text.lower() not in _TRUE_WORDS + _FALSE_WORDS:
+                raise argparse.ArgumentTypeError(f"expects true or false (or yes/no, on/off, 1/0), got {text!r}")
+            return text.lower() in _TRUE_WORDS
         try:
             return base(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{name} expects {base.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expects {base.__name__}, got {text!r}") from None
 
     parse.__name__ = getattr(base, "__name__", "value")
     return parse
@@ -279,8 +282,11 @@ class _ConfigLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                break  # the base class names an unhashable key
             if key in seen:
-                raise ValueError(f"{self.name}: option {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                raise MarlhfError(f"config file {self.name}, line {key_node.start_mark.line + 1}: option {key!r} is "
+                                  "given twice; keep one")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -290,13 +296,55 @@ _ConfigLoader.add_implicit_resolver(
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
-    with open(path) as handle:
-        values = yaml.load(handle, Loader=_ConfigLoader)
+    """The option: value mapping of a config file. A file that cannot be read, is not UTF-8, not YAML, empty or
+    not a mapping is a MarlhfError naming the file (and the line and column where YAML gives them)."""
+    where = f"config file {path}"
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise MarlhfError(f"{where} does not exist: check the --config path") from None
+    except IsADirectoryError:
+        raise MarlhfError(f"{where} is a directory: --config takes a YAML file") from None
+    except OSError as error:
+        raise MarlhfError(f"{where} cannot be read ({error.strerror or error})") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is dropped
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise MarlhfError(f"{where}, line {line}: byte {data[error.start]:#04x} is not UTF-8; save the file as "
+                          "UTF-8") from None
+    loader = _ConfigLoader(text)  # line ends \n, \r\n or \r alike
+    loader.name = str(path)
+    try:
+        values = loader.get_single_data()
+    except yaml.YAMLError as error:
+        raise MarlhfError(f"{where}{_yaml_problem(error)}; fix the YAML") from None
+    except RecursionError:
+        raise MarlhfError(f"{where} nests lists or mappings too deeply to be a config") from None
+    finally:
+        loader.dispose()
     if values is None:
-        return {}
+        raise MarlhfError(f"{where} holds no options (it is empty or only comments): write one `option: value` "
+                          "per line, or leave out --config")
     if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value, got {type(values).__name__}")
+        raise MarlhfError(f"{where} must hold a mapping of option: value (one per line), got a "
+                          f"{type(values).__name__}")
+    for key in values:
+        if not isinstance(key, str):
+            raise MarlhfError(f"{where}: option names are words, got {key!r}")
     return values
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """', line L, column C: what YAML found (where the construct it was reading began)', with a hint for a tab."""
+    mark, context, context_mark = (getattr(error, name, None) for name in ("problem_mark", "context", "context_mark"))
+    text = " ".join(str(getattr(error, "problem", None) or error).split())
+    if "'\\t'" in text:
+        text += " (YAML indents with spaces, never tabs)"
+    if context and context_mark is not None and mark is not None and context_mark.line != mark.line:
+        text += f" ({context} from line {context_mark.line + 1}, column {context_mark.column + 1})"
+    at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{at}: {text}"
 
 
 @dataclasses.dataclass(kw_only=True)

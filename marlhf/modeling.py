@@ -33,10 +33,12 @@ API:
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
 import socket
+import time
 from pathlib import Path
-from urllib.parse import urlparse
 from typing import Any
 
 import torch
@@ -46,6 +48,8 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrai
 
 from marlhf.config import LLAMA_ATTENTION, TrainingConfig
 from marlhf.errors import MarlhfError
+
+logger = logging.getLogger(__name__)
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -58,37 +62,128 @@ def _torch_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 
 def check_model_path(name_or_path: str | Path) -> None:
     """A local path that does not exist is an error saying so (a Hub id has one '/' and no leading '.', '/'
-    or '~'; from_pretrained would call the path a malformed repo id). A Hub id that is not in the local cache
-    must be downloadable: offline (HF_HUB_OFFLINE) or with the Hub unreachable it fails within seconds, naming
-    the id and the cache, instead of after the download's retries."""
+    or '~'; from_pretrained would call the path a malformed repo id). A Hub id is looked up on the Hub within
+    MARLHF_HUB_TIMEOUT seconds in all (`hub_timeout`): one not in the local cache must be there, else the error
+    names the id, the cache and the Hub's last answer, instead of coming after the download's minutes of retries
+    (offline, HF_HUB_OFFLINE, at once); for one in the cache a Hub that does not answer switches this process to
+    the cache (as HF_HUB_OFFLINE=1 would), instead of from_pretrained waiting for it once per file."""
     name = str(name_or_path)
     looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or isinstance(name_or_path, Path)
     if Path(name).expanduser().exists():
         return
     if looks_local:
         raise MarlhfError(f"model path {name!r} does not exist")
-    _check_hub_id_reachable(name)
+    _check_hub_id(name)
 
 
-HUB_PROBE_SECONDS = 3.0
+HUB_TIMEOUT_VARIABLE = "MARLHF_HUB_TIMEOUT"
+HUB_TIMEOUT_DEFAULT = 10.0
 
 
-def _check_hub_id_reachable(repo_id: str) -> None:
+def hub_timeout() -> float:
+    """Seconds a Hub lookup may take in all, retries included: MARLHF_HUB_TIMEOUT, default 10."""
+    text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
+    try:
+        seconds = float(text) if text else HUB_TIMEOUT_DEFAULT
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise MarlhfError(f"{HUB_TIMEOUT_VARIABLE}={text!r} must be a number of seconds > 0")
+    return seconds
+
+
+def _check_hub_id(repo_id: str) -> None:
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if any(isinstance(try_to_load_from_cache(repo_id, file), str) for file in ("config.json", "tokenizer_config.json")):
-        return  # in the cache: from_pretrained loads it without the network when offline
+    cached = any(isinstance(try_to_load_from_cache(repo_id, file), str)
+                 for file in ("config.json", "tokenizer_config.json"))
     where = f"{repo_id!r} is neither a local directory nor in the Hugging Face cache ({constants.HF_HUB_CACHE}; HF_HOME)"
     if constants.HF_HUB_OFFLINE:
+        if cached:
+            return
         raise MarlhfError(f"model {where}, and HF_HUB_OFFLINE is set: download it where there is a network, point "
                           "HF_HOME at a cache that holds it, or pass a local directory")
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=HUB_PROBE_SECONDS).close()
-    except OSError as error:
-        raise MarlhfError(f"model {where}, and the Hub ({constants.ENDPOINT}) is unreachable ({error}): download it "
-                          "where there is a network, point HF_HOME at a cache that holds it, pass a local directory, "
-                          "or set HF_HUB_OFFLINE=1 to work from the cache") from None
+    unanswered = _hub_lookup(repo_id, hub_timeout(), missing_is_error=not cached)
+    if unanswered is None:
+        return
+    if cached:
+        logger.warning("the Hub (%s) %s: loading %r from the cache, this process works offline (HF_HUB_OFFLINE=1 "
+                       "does so from the start)", constants.ENDPOINT, unanswered, repo_id)
+        constants.HF_HUB_OFFLINE = True  # what from_pretrained reads: no per-file wait for the Hub
+        return
+    raise MarlhfError(f"model {where}, and the Hub ({constants.ENDPOINT}) is unreachable: it {unanswered}; download "
+                      "it where there is a network, point HF_HOME at a cache that holds it, pass a local directory, "
+                      f"set HF_HUB_OFFLINE=1 to work from the cache, or raise {HUB_TIMEOUT_VARIABLE} (now "
+                      f"{hub_timeout():g} s)")
+
+
+def _hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool) -> str | None:
+    """HEAD of the repo's config.json, retried on 408/429/5xx, timeouts and dropped connections within timeout_s
+    seconds in all: None when the Hub answered, else what it did last ("answered HTTP 503 ... after 3 tries in
+    7.1 s"). A repo that is not there (or gated, private) is a MarlhfError when missing_is_error."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    started = time.monotonic()
+    deadline = started + timeout_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=max(deadline - time.monotonic(), 1e-3))
+            return None
+        except RemoteEntryNotFoundError:
+            return None  # the repo is there without a config.json: from_pretrained says what it lacks
+        except RepositoryNotFoundError as error:  # 401 / 403 / 404, gated repos included
+            if not missing_is_error:
+                return None
+            raise MarlhfError(f"model {repo_id!r} is not a local directory, and the Hub answered HTTP "
+                              f"{error.response.status_code} for it: check the id, or for a gated or private "
+                              "model log in (hf auth login) or set HF_TOKEN") from None
+        except HfHubHTTPError as error:
+            code = error.response.status_code
+            status = f"answered HTTP {code} {error.response.reason_phrase}"
+            if code not in (408, 429) and code < 500:
+                return None if not missing_is_error else status
+        except Exception as error:  # noqa: BLE001 - the HTTP client's network errors: classified by their cause
+            cause = _root_cause(error)
+            status = f"failed ({cause or error})"
+            if isinstance(cause, (ConnectionRefusedError, socket.gaierror)):
+                return f"{status} at once"  # nothing listens there, or no such host: waiting cannot help
+        delay = 2.0 ** (tries - 1)
+        elapsed = time.monotonic() - started
+        if time.monotonic() + delay >= deadline:
+            return f"{status} after {tries} {'try' if tries == 1 else 'tries'} in {elapsed:.1f} s"
+        time.sleep(delay)
+
+
+def _root_cause(error: BaseException) -> BaseException | None:
+    """The innermost exception of error's chain (an HTTP client wraps the socket's error)."""
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen[-1] if len(seen) > 1 else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")  # any one of them: transformers can try
+
+
+def check_tokenizer_files(name_or_path: str | Path) -> None:
+    """A local directory without any tokenizer file is a MarlhfError naming what it holds and what is missing
+    (transformers would say "Couldn't instantiate the backend tokenizer" and list its converters)."""
+    directory = Path(name_or_path).expanduser()
+    if not directory.is_dir() or any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return
+    held = sorted(path.name for path in directory.iterdir())
+    inner = [path for path in sorted(directory.iterdir())
+             if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)]
+    fix = (f"did you mean {inner[0]}?" if inner else "save the tokenizer of the model it came from there too "
+           "(tokenizer.save_pretrained(DIR), or copy its files)")
+    raise MarlhfError(f"no tokenizer files in {directory} (it holds {', '.join(held[:6]) or 'nothing'}"
+                      f"{', ...' if len(held) > 6 else ''}; a tokenizer is tokenizer.json, or tokenizer_config.json "
+                      f"with its vocabulary files): {fix}")
 
 
 def load_tokenizer(name_or_path: str, padding_side: str = "right"):
@@ -96,6 +191,7 @@ def load_tokenizer(name_or_path: str, padding_side: str = "right"):
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     check_model_path(name_or_path)
+    check_tokenizer_files(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

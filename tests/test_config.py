@@ -53,8 +53,25 @@ def test_yaml_then_cli_overrides(tmp_path):
     path.write_text("lr: 0.5\nmode: token\nlengths: [1, 2]\nn: 3\n")
     config = ToyConfig.parse_args(["--config", str(path), "--mode", "macro", "--flag", "--n", "none"])
     assert (config.lr, config.mode, config.lengths, config.n, config.flag) == (0.5, "macro", (1, 2), None, True)
-    assert ToyConfig.parse_args(["--lengths", "7", "8", "--no-flag"]).lengths == (7, 8)
+    assert ToyConfig.parse_args(["--lengths", "7", "8", "--flag", "false"]).lengths == (7, 8)
     assert ToyConfig.from_yaml(path, lr=0.25).lr == 0.25
+
+
+@pytest.mark.parametrize("words, value", [
+    ([], True), (["true"], True), (["True"], True), (["yes"], True), (["on"], True), (["1"], True),
+    (["false"], False), (["FALSE"], False), (["no"], False), (["off"], False), (["0"], False),
+])
+def test_a_switch_takes_the_spellings_of_a_config_file(words, value):
+    """`--flag`, `--flag true`, `--flag false` (and what YAML reads as a boolean) on the command line, as
+    `flag: true` in a file."""
+    config = ToyConfig.parse_args(["--flag", *words, "--lr", "0.5"])
+    assert config.flag is value and config.lr == 0.5
+
+
+def test_a_switch_with_another_word_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        ToyConfig.parse_args(["--flag", "maybe"])
+    assert "--flag: expects true or false" in capsys.readouterr().err
 
 
 def test_yaml_errors(tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -300,3 +302,84 @@ def test_a_full_disk_loses_nothing_already_saved(tmp_path, small_disk, make_tiny
     train_sft(_sft(tmp_path, output_dir=str(disk / "sft"), resume="latest"), tiny_records["sft"],
               model=make_tiny_causal_lm(), tokenizer=tiny_tokenizer)
     assert [m["step"] for m in read_metrics(disk / "sft")] == [1, 2, 3]
+
+
+def _stderr_lines(stderr: str) -> list[str]:
+    """stderr's lines without the trainer's progress bar."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("sft: ")]
+
+
+def test_ctrl_c_says_what_was_saved_and_resume_latest_continues(tmp_path, tiny_model_dir, tiny_records):
+    """SIGINT mid-training (a user's Ctrl-C): exit 130 with one line naming the newest checkpoint and
+    `--resume latest`; the same command with it continues from that checkpoint."""
+    dataset = tmp_path / "sft.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
+    output_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "marlhf", "sft", "--model_name_or_path", str(tiny_model_dir), "--dataset",
+               str(dataset), "--output_dir", str(output_dir), "--max_steps", "100000", "--save_steps", "1",
+               "--per_device_batch_size", "2", "--max_prompt_length", "32", "--max_length", "64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # SIGINT as a terminal's Ctrl-C delivers it, also when pytest runs in a background job (which ignores it)
+    child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not list(output_dir.glob("checkpoint-*/manifest.json")) and child.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 130, stderr[-2000:]
+    lines = _stderr_lines(stderr)
+    newest = list_checkpoints(output_dir)[-1]
+    assert lines == [f"marlhf: error: interrupted (Ctrl-C); the newest checkpoint is {newest} (step "
+                     f"{newest.name.split('-')[1]}): run the same command with --resume latest to continue from it"]
+    assert "Traceback" not in stderr
+    step = int(newest.name.split("-")[1])
+    resumed = subprocess.run([*command, "--resume", "latest", "--max_steps", str(step + 2)], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {newest} at step {step}" in resumed.stdout
+    assert [m["step"] for m in read_metrics(output_dir)][-3:] == [step, step + 1, step + 2]
+
+
+def test_ctrl_c_before_any_checkpoint_says_nothing_was_saved(tmp_path):
+    from marlhf.trainers.common import what_was_saved
+
+    config = _sft(tmp_path, save_steps=0)
+    assert what_was_saved(config) == (f"no checkpoint was saved in {config.output_dir} (save_steps is 0): run the "
+                                      "command again to start over")
+    Path(config.output_dir).mkdir()
+    (Path(config.output_dir) / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert what_was_saved(config).endswith("run the command again with --overwrite_output_dir to start over")
+
+
+def test_config_files_users_save_on_windows_read_as_any_other(tmp_path):
+    """CRLF line ends and a byte-order mark change nothing."""
+    plain = tmp_path / "plain.yaml"
+    plain.write_bytes(b"learning_rate: 1e-4\nmax_steps: 3\nlora_target_modules: [q_proj, v_proj]\n")
+    for name, data in {"crlf": plain.read_bytes().replace(b"\n", b"\r\n"),
+                       "bom": b"\xef\xbb\xbf" + plain.read_bytes(),
+                       "bom_crlf": b"\xef\xbb\xbf" + plain.read_bytes().replace(b"\n", b"\r\n")}.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_bytes(data)
+        assert SFTConfig.from_yaml(path) == SFTConfig.from_yaml(plain), name
+
+
+def test_a_model_directory_without_a_tokenizer_names_the_missing_files(tmp_path, tiny_model_dir):
+    from marlhf.errors import MarlhfError
+    from marlhf.modeling import load_tokenizer
+
+    model_only = tmp_path / "model_only"
+    model_only.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / file, model_only / file)
+    with pytest.raises(MarlhfError, match=rf"no tokenizer files in {model_only} \(it holds config.json, "
+                                          r"model.safetensors; a tokenizer is tokenizer.json, or tokenizer_config.json"):
+        load_tokenizer(str(model_only))
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(tiny_model_dir, checkpoint / "policy")
+    with pytest.raises(MarlhfError, match=rf"did you mean {checkpoint / 'policy'}\?"):
+        load_tokenizer(str(checkpoint))
+    assert load_tokenizer(str(checkpoint / "policy")).pad_token == "<pad>"

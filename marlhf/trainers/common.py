@@ -13,6 +13,7 @@ API:
     plan.total_steps; plan.epoch_at(step); plan.micro_batches(step) -> this process's index lists
     optimizer = make_optimizer(model, config); scheduler = make_scheduler(optimizer, config, plan.total_steps)
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
+    what_was_saved(config) -> str   # the end of the Ctrl-C line (marlhf.cli): newest checkpoint, how to continue
     save_final_model(model, tokenizer, directory, accelerator)
     accumulation_context(accelerator, model, is_last_micro_batch)
     configure_deepspeed(accelerator, config, micro_batch_size)  # before accelerator.prepare; no-op unless DeepSpeed
@@ -46,7 +47,8 @@ from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marlhf.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from marlhf.checkpoint import (MANIFEST, checkpoint_step, list_checkpoints, load_checkpoint, resolve_resume,
+                               save_checkpoint)
 from marlhf.config import RunConfig, TrainingConfig
 from marlhf.logging_utils import METRICS_FILE, MetricsLogger, reduce_metrics
 from marlhf.modeling import merge_lora
@@ -154,11 +156,30 @@ def _lock_output_dir(output_dir: Path) -> OutputDirLock:
     return lock
 
 
-def _start_fresh(config: RunConfig, output_dir: Path, accelerator: Accelerator) -> None:
-    earlier = [what for what, there in (
+def _earlier_run(output_dir: Path) -> list[str]:
+    """What of an earlier run `output_dir` holds (empty: a fresh run may start there)."""
+    return [what for what, there in (
         ("checkpoints", list_checkpoints(output_dir)),
         ("metrics.jsonl", (output_dir / METRICS_FILE).is_file() and (output_dir / METRICS_FILE).stat().st_size),
         ("a final model", (output_dir / "config.json").is_file())) if there]
+
+
+def what_was_saved(config: RunConfig) -> str:
+    """The end of the line of a run stopped by Ctrl-C: its newest finished checkpoint and how to continue, or how
+    to start again. A checkpoint counts when its manifest (written last) is there; `--resume latest` then checks
+    every file, without the wait of hashing them here."""
+    output_dir = Path(config.output_dir)
+    finished = [checkpoint for checkpoint in list_checkpoints(output_dir) if (checkpoint / MANIFEST).is_file()]
+    if finished:
+        return (f"the newest checkpoint is {finished[-1]} (step {checkpoint_step(finished[-1])}): run the same command "
+                "with --resume latest to continue from it")
+    again = " with --overwrite_output_dir" if _earlier_run(output_dir) else ""
+    never = " (save_steps is 0)" if not config.save_steps else ""
+    return f"no checkpoint was saved in {output_dir}{never}: run the command again{again} to start over"
+
+
+def _start_fresh(config: RunConfig, output_dir: Path, accelerator: Accelerator) -> None:
+    earlier = _earlier_run(output_dir)
     if earlier and not config.overwrite_output_dir:
         # A fresh run would mix its checkpoints with the old ones (and keep-last-K could delete the new ones).
         raise ValueError(f"output_dir {output_dir} already holds an earlier run ({', '.join(earlier)}): resume it "
@@ -390,32 +411,33 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
 
     guard = FiniteUpdates(config.nonfinite_skip_limit)
     model.train()
-    progress = tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc=desc,
-                    disable=not accelerator.is_local_main_process)
-    for step in progress:
-        micro_batches = plan.micro_batches(step)
-        step_stats = []
-        for index, indices in enumerate(micro_batches):
-            batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
-            with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
-                loss, stats = loss_fn(model, batch)
-                backward(accelerator, model, loss / len(micro_batches), index == len(micro_batches) - 1)
-            step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
+    # closed on any exception too, so that an error's line starts on a line of its own
+    with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc=desc,
+              disable=not accelerator.is_local_main_process) as progress:
+        for step in progress:
+            micro_batches = plan.micro_batches(step)
+            step_stats = []
+            for index, indices in enumerate(micro_batches):
+                batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
+                with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
+                    loss, stats = loss_fn(model, batch)
+                    backward(accelerator, model, loss / len(micro_batches), index == len(micro_batches) - 1)
+                step_stats.append({"loss": loss.detach(), **stats})
+            grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
 
-        done = step + 1
-        metrics = {}
-        if done % config.logging_steps == 0 or done == plan.total_steps:
-            means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
-            metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
-            metrics.update({"learning_rate": learning_rate, "epoch": plan.epoch_at(done),
-                            "train/skipped_steps": guard.skipped})
-        if evaluate is not None:
-            metrics.update(evaluate(model, done, plan.total_steps))
-        if metrics:
-            logger.log(metrics, done)
-            progress.set_postfix({k: f"{v:.4f}" for k, v in metrics.items() if k in ("loss", "eval/accuracy")})
-        maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
+            done = step + 1
+            metrics = {}
+            if done % config.logging_steps == 0 or done == plan.total_steps:
+                means = {name: torch.stack([s[name] for s in step_stats]).mean() for name in step_stats[0]}
+                metrics = reduce_metrics({**means, "grad_norm": grad_norm}, accelerator)
+                metrics.update({"learning_rate": learning_rate, "epoch": plan.epoch_at(done),
+                                "train/skipped_steps": guard.skipped})
+            if evaluate is not None:
+                metrics.update(evaluate(model, done, plan.total_steps))
+            if metrics:
+                logger.log(metrics, done)
+                progress.set_postfix({k: f"{v:.4f}" for k, v in metrics.items() if k in ("loss", "eval/accuracy")})
+            maybe_save_checkpoint(config, done, accelerator, models, optimizers, schedulers, tokenizer)
 
     logger.close()
     if config.use_lora:

@@ -218,11 +218,12 @@ def test_serve_stops_on_sigterm_and_gives_the_callers_handlers_back(tmp_path, ca
     session = HumanEvalSession(["p"], ["a"], ["b"], tmp_path / "choices.jsonl")
     caller_handler = lambda signum, frame: None  # noqa: E731
     previous = signal.signal(signal.SIGTERM, caller_handler)
+    interrupt_handler = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs as a shell's background job
     try:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
         serve(session, port=0)
         assert signal.getsignal(signal.SIGTERM) is caller_handler
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is interrupt_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ties"] == 0
