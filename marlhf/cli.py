@@ -171,8 +171,8 @@ def _saved(config) -> str:
     return what_was_saved(config)
 
 
-_MEMORY_OPTIONS = ("per_device_batch_size", "forward_batch_size", "batch_size", "max_length", "max_prompt_length",
-                   "max_response_length")
+_MEMORY_OPTIONS = ("per_device_batch_size", "mini_batch_size", "forward_batch_size", "batch_size", "max_length",
+                   "max_response_length")  # what the activations grow with
 
 
 def _memory_options(config) -> str:
@@ -182,7 +182,8 @@ def _memory_options(config) -> str:
     if not named:
         return ": free memory on the device, or use a larger one"
     checkpointing = ", or set gradient_checkpointing" if values.get("gradient_checkpointing") is False else ""
-    return f": lower {', '.join(named[:-1])} or {named[-1]}{checkpointing}"
+    listed = f"{', '.join(named[:-1])} or {named[-1]}" if len(named) > 1 else named[0]
+    return f": lower {listed}{checkpointing}"
 
 
 def _install_hint(package: str) -> str:

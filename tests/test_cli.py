@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from marlhf import cli
@@ -225,3 +227,118 @@ def test_verbose_shows_the_traceback(tmp_path):
     child = subprocess.run([sys.executable, "-m", "marlhf", "--verbose", "plot", "nowhere", "--out", "p"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert child.returncode != 0 and "Traceback" in child.stderr
+
+
+def _one_line_exit(capsys, argv: list[str]) -> tuple[int, str]:
+    """Run `marlhf ARGV` in this process: (exit code, its one stderr line); no traceback."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("marlhf: error: ") and "Traceback" not in err, err[-3000:]
+    return code, lines[0]
+
+
+@pytest.mark.parametrize("name, data, says", [
+    ("tab.yaml", b"learning_rate: 1e-4\n\tmax_steps: 3\n", "line 2, column 1: found character '\\t' that cannot start"),
+    ("bracket.yaml", b"lora_target_modules: [q_proj, v_proj\nmax_steps: 3\n", "line 2, column 10: expected ',' or ']'"),
+    ("list.yaml", b"- max_steps: 3\n", "must hold a mapping of option: value"),
+    ("empty.yaml", b"", "holds no options (it is empty or only comments)"),
+    ("latin1.yaml", b"max_steps: 3\nrun_name: caf\xe9\n", "line 2: byte 0xe9 is not UTF-8; save the file as UTF-8"),
+    ("twice.yaml", b"max_steps: 3\nmax_steps: 4\n", "line 2: option 'max_steps' is given twice"),
+    ("numbers.yaml", b"1: 2\n", "option names are words, got 1"),
+    ("a_directory", None, "is a directory: --config takes a YAML file"),
+    ("missing.yaml", None, "does not exist: check the --config path"),
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, name, data, says):
+    path = tmp_path / name
+    if data is not None:
+        path.write_bytes(data)
+    elif name == "a_directory":
+        path.mkdir()
+    code, line = _one_line_exit(capsys, ["sft", "--config", str(path)])
+    assert code == 2
+    assert line.startswith(f"marlhf: error: sft: config file {path}") and says in line, line
+
+
+def test_invalid_yaml_from_the_shell_is_one_line_with_exit_2(tmp_path):
+    (tmp_path / "bad.yaml").write_text("max_steps: [1\n")
+    line = _fails_in_one_line(tmp_path, "sft", "--config", "bad.yaml")
+    assert "config file bad.yaml, line 2, column 1" in line and "fix the YAML" in line
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_every_switch_takes_true_and_false_as_in_yaml(command):
+    """`--flag`, `--flag true`, `--flag false` for every bool option of every config command."""
+    module_name, config_name, _, _ = cli.COMMANDS[command]
+    config_class = getattr(pytest.importorskip(module_name), config_name)
+    hints = typing.get_type_hints(config_class)
+    switches = [f.name for f in dataclasses.fields(config_class) if hints[f.name] is bool]  # evaluate has none
+    parser = cli.build_parser(command)
+    for name in switches:
+        for words, value in (([], True), (["true"], True), (["false"], False), (["no"], False), (["1"], True)):
+            assert getattr(cli._parse(parser, [command, f"--{name}", *words]), name) is value, (name, words)
+
+
+def test_a_switch_from_the_docs_parses_and_a_bad_word_is_one_line(capsys):
+    from marlhf.trainers.ppo import PPOConfig
+
+    parser = cli.build_parser("ppo")
+    assert PPOConfig.from_arguments(cli._parse(parser, ["ppo", "--log_rollout_logprob_diff", "true"])
+                                    ).log_rollout_logprob_diff is True
+    assert PPOConfig.from_arguments(cli._parse(parser, ["ppo", "--log_rollout_logprob_diff", "false"])
+                                    ).log_rollout_logprob_diff is False
+    code, line = _one_line_exit(capsys, ["ppo", "--log_rollout_logprob_diff", "maybe"])
+    assert code == 2
+    assert line.startswith("marlhf: error: ppo: argument --log_rollout_logprob_diff: expects true or false"), line
+
+
+def test_a_bug_keeps_its_traceback_and_asks_for_a_report(monkeypatch, tmp_path, capsys):
+    from marlhf.evaluation import plots
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug in marlhf")
+
+    monkeypatch.setattr(plots, "plot_diagnostics", broken)
+    assert cli.main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "TypeError: a bug in marlhf" in err
+    assert err.splitlines()[-1] == ("marlhf: error: this is a bug in marlhf (TypeError), not in your input; please "
+                                    "report it with the output of the same command run with --verbose")
+
+
+@pytest.mark.parametrize("raised, code, says", [
+    (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1 GiB"), 4,
+     "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower per_device_batch_size (4) or max_length "
+     "(64), or set gradient_checkpointing"),
+    (lambda: MemoryError(), 4, "out of memory (MemoryError): lower per_device_batch_size (4)"),
+    (lambda: ModuleNotFoundError("No module named 'spacy'", name="spacy"), 3,
+     "this needs the Python package 'spacy', which is not installed here: pip install 'marlhf[nlp]'"),
+    (KeyboardInterrupt, 130, "interrupted (Ctrl-C); no checkpoint was saved in"),
+])
+def test_the_environments_failures_have_their_exit_codes(monkeypatch, tmp_path, tiny_model_dir, capsys, raised, code,
+                                                         says):
+    from marlhf.trainers import sft
+
+    def train(config):
+        raise raised()
+
+    monkeypatch.setattr(sft, "train_sft", train)
+    got, line = _one_line_exit(capsys, ["sft", "--model_name_or_path", str(tiny_model_dir), "--output_dir",
+                                        str(tmp_path / "out"), "--per_device_batch_size", "4",
+                                        "--max_prompt_length", "32", "--max_length", "64"])
+    assert got == code and says in line, line
+
+
+def test_evaluate_on_a_model_without_tokenizer_files_names_them(tmp_path, tiny_model_dir, capsys):
+    model_only = tmp_path / "model_only"
+    model_only.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        (model_only / file).write_bytes((tiny_model_dir / file).read_bytes())
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "Human: hi\n\nAssistant:"}) + "\n")
+    code, line = _one_line_exit(capsys, ["evaluate", "--model_name_or_path", str(model_only), "--reward_model",
+                                         str(tiny_model_dir), "--dataset", str(tmp_path / "eval.jsonl"),
+                                         "--output_dir", str(tmp_path / "out")])
+    assert code == 2 and f"no tokenizer files in {model_only}" in line and "tokenizer.json" in line, line
