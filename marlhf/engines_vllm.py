@@ -14,7 +14,15 @@ How it meets the conventions of :mod:`marlhf.engines`:
   policy's weights through the sync below, so no checkpoint is written. vLLM's engine core runs in this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight syncs hand it the policy's own tensors without pickling.
 - Per-row seeds: one `SamplingParams(seed=row_seeds[b])` per row (vLLM keeps one generator per seeded
-  request), so a row's response depends on its prompt and seed only.
+  request), so a row's response depends on its prompt and seed only. A request whose prompt is prefilled in
+  several steps (chunked prefill: vLLM's default when a batch's prompts exceed `max_num_batched_tokens`, 4,096
+  tokens on CPU) draws a discarded sample in each partial step, which vLLM then takes back by rewinding the
+  generator's offset; CPU generators have no offset (`RuntimeError: CPU Generator does not use offset`), so on
+  CPU the engine turns chunked prefill off: vLLM then prefills a request whole, those that do not fit a step's
+  budget waiting for a later step (the budget is raised to max_model_len if lower), and batches of any size run
+  with every row's stream intact.
+- Quiet: when vLLM's log level is ERROR or above (`VLLM_LOGGING_LEVEL`, which the `marlhf` command sets unless
+  `--verbose`), the engine also silences what that level does not reach (see `_quiet_vllm`).
 - EOS: `ignore_eos=True` (the model config's EOS is not used) and `stop_token_ids=eos_token_id`: the response
   keeps its EOS and stops there, as transformers' `generate` with the same `eos_token_id` does.
 - Log-probs: vLLM returns either raw log-probs (log-softmax of the logits, before temperature) or processed ones
@@ -38,18 +46,23 @@ How it meets the conventions of :mod:`marlhf.engines`:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import importlib.util
 import itertools
+import logging
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from marlhf.engines import EngineContext, Generation, VLLMOptions
-from marlhf.errors import MarlhfError
+from marlhf.errors import MarlhfError, MissingPackage, did_you_mean
 from marlhf.rollout import check_sampling, response_mask_from_ids
 
 __all__ = ["VLLMEngine", "MISSING", "check_vllm"]
@@ -60,9 +73,76 @@ MISSING = ("rollout_engine='vllm' needs vLLM, which is not installed; it pins tr
 
 
 def check_vllm() -> None:
-    """A one-line ValueError naming the install when vLLM is missing (checked without importing it: ~6 s)."""
+    """A one-line MissingPackage (a ValueError; exit 3 on the command line) naming the install when vLLM is
+    missing (checked without importing it: ~6 s)."""
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError(MISSING)
+        raise MissingPackage(MISSING)
+
+
+def _quiet() -> bool:
+    """Whether vLLM's own output is to be silent: its log level (VLLM_LOGGING_LEVEL) is ERROR or above, as the
+    `marlhf` command (marlhf.cli.quiet_libraries) and the benchmarks set it unless --verbose."""
+    return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper() in ("ERROR", "CRITICAL")
+
+
+def _quiet_vllm() -> None:
+    """Before vLLM is imported or an LLM built, when `_quiet()`: silence what vLLM's log level does not reach.
+
+    - vLLM configures its log handler only when an LLM is built; what it logs while being imported (Triton's
+      "Triton is installed, but doesn't include CPU backend" line) goes to Python's last-resort handler unless the
+      "vllm" logger has its level already.
+    - Its Triton kernel dispatcher touches torch.distributed.reduce_op, deprecated: two FutureWarnings per build.
+    """
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
+
+
+def _vllm():
+    """vLLM, imported (quietly when `_quiet()`)."""
+    if _quiet():
+        _quiet_vllm()
+    import vllm
+
+    return vllm
+
+
+@contextlib.contextmanager
+def _torch_cpp_warnings(enabled: bool):
+    """With `enabled` False, c10's C++ log threshold at ERROR for the block (what TORCH_CPP_LOG_LEVEL=ERROR sets
+    when torch is imported, too late here): vLLM's CPU worker warns through it when it binds memory ("NUMA
+    binding: Using MEMBIND policy ..."). Left alone where libc10 has no such flag."""
+    flag = None
+    if not enabled:
+        with contextlib.suppress(OSError, ValueError):
+            library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+            flag = ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
+    if flag is None:
+        yield
+        return
+    before, flag.value = flag.value, 2  # 0 INFO, 1 WARNING, 2 ERROR
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def _checked_engine_kwargs(engine_kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """The vllm option engine_kwargs, each key one of vLLM's EngineArgs (a one-line ValueError otherwise)."""
+    if not engine_kwargs:
+        return {}
+    _vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = [field.name for field in dataclasses.fields(EngineArgs)]
+    for key in engine_kwargs:
+        if key not in known:
+            raise MarlhfError(f"rollout engine 'vllm' option 'engine_kwargs': vLLM has no engine argument {key!r}"
+                              f"{did_you_mean(key, known)} (vllm.engine.arg_utils.EngineArgs)")
+    if on_cpu and engine_kwargs.get("enable_chunked_prefill"):
+        raise MarlhfError("rollout engine 'vllm' option 'engine_kwargs': enable_chunked_prefill is off on CPU: a "
+                          "split prefill cannot replay a seeded row's random stream there ('CPU Generator does not "
+                          "use offset'); leave it out")
+    return dict(engine_kwargs)
 
 
 def _set_logit_scale(worker, scale: float) -> float:
@@ -174,8 +254,8 @@ def _policy_weights(policy: nn.Module, changed_only: bool = False) -> Iterator[t
 
 @contextlib.contextmanager
 def _explained(engine: VLLMEngine, model_config):
-    """vLLM's errors for a model it cannot run, or a KV cache too small, as one MarlhfError naming the cause and
-    the option to change; other errors pass unchanged."""
+    """vLLM's errors for a model it cannot run, a KV cache too small, a prompt too long or an engine argument's value
+    it refuses, as one MarlhfError naming the cause and the option to change; other errors pass unchanged."""
     try:
         yield
     except Exception as error:
@@ -193,14 +273,22 @@ def _explained(engine: VLLMEngine, model_config):
                               f"{knob}, or lower max_model_len / max_length ({message})") from error
         if "not supported" in message and "rchitecture" in message:
             raise MarlhfError(f"vLLM does not support this model ({message}); use rollout_engine='hf'") from error
+        if "maximum context length" in message:  # vLLM's VLLMValidationError, not a ValueError
+            raise MarlhfError(f"a prompt is longer than vLLM's max_model_len: raise the vllm option max_model_len (or "
+                              f"max_length), or lower max_prompt_length ({message})") from error
+        refused = [key for key in engine.engine_kwargs if key in message]
+        if refused and isinstance(error, (ValueError, TypeError)):
+            raise MarlhfError(f"vLLM refused the vllm option engine_kwargs' {refused[0]}="
+                              f"{engine.engine_kwargs[refused[0]]!r} ({message})") from error
         raise
 
 
 class VLLMEngine:
     """Samples with a vLLM `LLM` holding a copy of the policy's weights (see the module docstring)."""
 
-    def __init__(self, context: EngineContext | None = None, **llm_kwargs) -> None:
-        """`context.options`: VLLMOptions (defaults without a context); `llm_kwargs` go to `vllm.LLM` as they are."""
+    def __init__(self, context: EngineContext | None = None) -> None:
+        """`context.options`: VLLMOptions (defaults without a context). Checks that vLLM is installed, and imports
+        it to check engine_kwargs if there are any; the LLM itself is built on the first `generate`."""
         check_vllm()
         options = context.options if context is not None else None
         self.options = options if isinstance(options, VLLMOptions) else VLLMOptions()
@@ -212,8 +300,8 @@ class VLLMEngine:
         kv = self.options.kv_cache_gib
         self.kv_cache_gib = int(kv if kv is not None else os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
         if self.kv_cache_gib < 1:
-            raise ValueError(f"vllm option kv_cache_gib must be >= 1 (GiB), got {self.kv_cache_gib}")
-        self.llm_kwargs = llm_kwargs
+            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be >= 1 (GiB), got {self.kv_cache_gib}")
+        self.engine_kwargs = _checked_engine_kwargs(self.options.engine_kwargs or {}, self.on_cpu)
         self.llm = None
         self.asleep = False
         self.policy: nn.Module | None = None
@@ -226,7 +314,7 @@ class VLLMEngine:
         on_cpu, options = self.on_cpu, self.options
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
-        import vllm
+        vllm = _vllm()
 
         # vLLM builds the model from its config with placeholder weights ("dummy"), then takes the policy's
         # through the same path as every later sync: no checkpoint is written, and sharded or LoRA policies
@@ -243,15 +331,17 @@ class VLLMEngine:
                       enforce_eager=on_cpu or options.enforce_eager,
                       max_model_len=options.max_model_len or (min(lengths) if lengths else None),
                       enable_prefix_caching=True)
-        if not on_cpu:
+        if on_cpu:  # no split prefills: they break seeded rows on CPU (the module docstring)
+            kwargs.update(enable_chunked_prefill=False)
+        else:
             kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
                           enable_sleep_mode=options.sleep_between_rollouts)
-        kwargs.update(self.llm_kwargs)
+        kwargs.update(self.engine_kwargs)
         # An in-process vLLM seeds the global RNGs (torch, numpy, random) and, on CPU, replaces
         # torch.set_num_threads with a no-op after binding its OpenMP threads: leave the trainer's alone.
         states, set_num_threads, threads = _rng_states(), torch.set_num_threads, torch.get_num_threads()
         try:
-            with _explained(self, policy.config):
+            with _explained(self, policy.config), _torch_cpp_warnings(not _quiet()):
                 self.llm = vllm.LLM(**kwargs)
         finally:
             _restore_rng_states(states)

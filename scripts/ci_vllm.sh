@@ -15,8 +15,9 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cd "$ROOT"
 status=0
-# 1 GiB of KV cache (an integer: vLLM rejects 1.0) instead of vLLM's CPU default
-VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/test_engine_vllm.py -q -p no:cacheprovider -rs \
+# 1 GiB of KV cache (an integer: vLLM rejects 1.0) instead of vLLM's CPU default. No -q: pyproject.toml's addopts
+# has one, and a second drops pytest's closing "N passed" line.
+VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest tests/test_engine_vllm.py -p no:cacheprovider -rs \
     -W ignore::FutureWarning 2>&1 | tee "$log" || status=$?
 [ "$status" -eq 0 ] || { echo "ci_vllm: tests failed (exit $status)" >&2; exit "$status"; }
 if grep -qE '^SKIPPED|[0-9]+ skipped' "$log"; then

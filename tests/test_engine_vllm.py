@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from marlhf.engines import EngineContext, Generation, VLLMOptions, get_engine, make_engine
 from marlhf.engines_vllm import VLLMEngine, _policy_weights
-from marlhf.errors import MarlhfError
+from marlhf.errors import MarlhfError, MissingPackage
 from marlhf.logging_utils import read_metrics
-from marlhf.modeling import ScalarHeadModel, add_lora
+from marlhf.modeling import ScalarHeadModel, add_lora, pad_sequences
 from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.killed_run import run_until_killed
@@ -41,7 +42,7 @@ SAMPLING = dict(max_new_tokens=10, temperature=0.7, top_k=0, top_p=1.0)
 
 def _model(tokenizer, head_scale: float = 20.0) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -56,7 +57,8 @@ def setup(tiny_tokenizer):
     model = _model(tiny_tokenizer)
     batch = tiny_tokenizer(["Human: hi", "The quick brown fox jumps over", "a", "def add(a, b):"],
                            return_tensors="pt", padding=True, padding_side="left")
-    engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=1)))
+    # max_num_seqs through engine_kwargs; 64 keeps BIG_BATCH's 32 prompts in one scheduling step
+    engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=1, engine_kwargs={"max_num_seqs": 64})))
     engine.sync_weights(model)
     yield engine, model, batch["input_ids"], batch["attention_mask"].bool(), tiny_tokenizer
     engine.close()
@@ -78,6 +80,16 @@ def test_engine_options_name_the_engine_and_the_key():
         PPOConfig(rollout_engine="vllm", rollout_engine_options={"bogus": 1})
     with pytest.raises(ValueError, match=r"'vllm' option 'kv_cache_gib' must be an int"):
         PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 1.5})
+    # out of range: found when the config is built, so before anything is written
+    out_of_range = [({"kv_cache_gib": 0}, r"'kv_cache_gib' must be >= 1 \(GiB.*got 0"),
+                    ({"gpu_memory_utilization": 1.5}, r"'gpu_memory_utilization' must be in \(0, 1\]"),
+                    ({"max_model_len": 0}, r"'max_model_len' must be >= 1"),
+                    ({"engine_kwargs": {"max_model_len": 64}}, r"'engine_kwargs': 'max_model_len' is the vllm option"),
+                    ({"engine_kwargs": {"dtype": "float16"}}, r"'engine_kwargs': 'dtype' is set by the engine"),
+                    ({"engine_kwargs": [1]}, r"'engine_kwargs' must be a mapping")]
+    for options, message in out_of_range:
+        with pytest.raises(ValueError, match=r"rollout engine 'vllm' option " + message):
+            PPOConfig(rollout_engine="vllm", rollout_engine_options=options)
     config = PPOConfig(rollout_engine="vllm", rollout_engine_options={"kv_cache_gib": 2})  # constructs without vLLM
     assert config.plugin_options("rollout_engine") == VLLMOptions(kv_cache_gib=2)
     assert "vllm (kv_cache_gib=None" in get_engine("vllm").describe()
@@ -85,10 +97,20 @@ def test_engine_options_name_the_engine_and_the_key():
 
 def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec then reports it missing, as without the package
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(MissingPackage) as error:
         make_engine("vllm", EngineContext(options=VLLMOptions()))
     message = str(error.value)
     assert "\n" not in message and "install_vllm_cpu.sh" in message and "docs/vllm.md" in message
+
+
+def test_missing_vllm_stops_the_ppo_run_before_anything_is_written(tmp_path, monkeypatch, tiny_tokenizer):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(MissingPackage, match="install_vllm_cpu.sh"):
+        train_ppo(_ppo_config(tmp_path), RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0),
+                  tokenizer=tiny_tokenizer, reward_fn=count_e)
+    output_dir = tmp_path / "ppo"
+    assert not (output_dir / "config.yaml").exists() and not (output_dir / "metrics.jsonl").exists()
+    assert not output_dir.exists() or not any(output_dir.iterdir())
 
 
 # ---- with vLLM ------------------------------------------------------------------------------------------------
@@ -107,6 +129,77 @@ def test_seeds_fix_the_tokens(setup):
     # a row depends on its own seed only, not on the other rows of the batch
     swapped, _, _ = _generate(setup, [1, 20, 30, 40])
     assert torch.equal(swapped[0, : mask[0].sum()], ids[0, : mask[0].sum()])
+
+
+@needs_vllm
+def test_a_batch_over_vllms_token_budget_runs_and_keeps_per_row_seeds(setup):
+    """32 prompts of 140-160 tokens, more than vLLM's per-step budget (max_num_batched_tokens, 4,096 on CPU):
+    vLLM's chunked prefill split one of them and, seeded, crashed on CPU ('CPU Generator does not use offset').
+    Now it runs; the log-probs match the HF forward, and each row's tokens are those it draws in a batch of its
+    own half (another scheduling of the same rows)."""
+    engine, model, _, _, tokenizer = setup
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tokenizer), (int(n),), generator=generator).tolist()
+               for n in torch.randint(140, 161, (32,), generator=generator)]
+    query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    query_mask = query_mask.bool()
+    seeds = list(range(100, 132))
+    sampling = dict(SAMPLING, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    return_logprobs=True)
+    whole = engine.generate(query_ids, query_mask, row_seeds=seeds, **sampling)
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert query_mask.sum() > scheduler.max_num_batched_tokens and scheduler.max_num_seqs == 64  # engine_kwargs'
+    with torch.no_grad():
+        expected = response_logprobs(model, query_ids, query_mask, whole.response_ids, whole.response_mask,
+                                     temperature=SAMPLING["temperature"])
+    assert (whole.logprobs - expected).abs().max().item() < TOL
+    for rows in (slice(16, 32), slice(0, 16)):
+        half = engine.generate(query_ids[rows], query_mask[rows], row_seeds=seeds[rows], **sampling)
+        width = half.response_ids.shape[1]
+        assert torch.equal(half.response_ids, whole.response_ids[rows, :width])
+        assert torch.equal(half.response_mask, whole.response_mask[rows, :width])
+        torch.testing.assert_close(half.logprobs, whole.logprobs[rows, :width], rtol=0, atol=1e-5)
+    again = engine.generate(query_ids, query_mask, row_seeds=seeds, **sampling)
+    assert torch.equal(again.response_ids, whole.response_ids) and torch.equal(again.logprobs, whole.logprobs)
+
+
+@needs_vllm
+def test_engine_kwargs_are_checked_against_vllms_engine_arguments():
+    with pytest.raises(MarlhfError, match=r"vLLM has no engine argument 'max_num_seq'.*did you mean 'max_num_seqs'"):
+        make_engine("vllm", EngineContext(options=VLLMOptions(engine_kwargs={"max_num_seq": 8})))
+    if not torch.cuda.is_available():
+        with pytest.raises(MarlhfError, match=r"enable_chunked_prefill is off on CPU.*does not use offset"):
+            make_engine("vllm", EngineContext(options=VLLMOptions(engine_kwargs={"enable_chunked_prefill": True})))
+
+
+QUIET_RUN = """
+import sys, torch
+from marlhf.cli import quiet_libraries
+quiet_libraries(verbose=False)  # what `marlhf ppo` does without --verbose
+from marlhf.engines import EngineContext, VLLMOptions, make_engine
+from tests.conftest import build_tiny_tokenizer
+from tests.test_engine_vllm import _model
+tokenizer = build_tiny_tokenizer()
+engine = make_engine("vllm", EngineContext(options=VLLMOptions(kv_cache_gib=1, engine_kwargs={"max_num_seqs": 8})))
+engine.sync_weights(_model(tokenizer))
+generation = engine.generate(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool), row_seeds=[1],
+                             max_new_tokens=4, temperature=0.7, top_k=0, top_p=1.0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+print(generation.response_ids.shape[0])
+"""
+
+
+@needs_vllm
+def test_a_quiet_engine_build_and_generate_print_nothing():
+    """Without --verbose nothing of vLLM's reaches stderr: not its logging (info lines, the chat-template warmup
+    traceback), Triton's 'no CPU backend' line logged while vLLM is imported, the FutureWarnings of its Triton
+    dispatcher, nor the C++ 'NUMA binding' warning of its CPU worker. A fresh process: vLLM's import is part of it."""
+    result = subprocess.run([sys.executable, "-c", QUIET_RUN], capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).parents[1])
+    assert result.returncode == 0 and result.stdout.split() == ["1"], result.stderr[-3000:]
+    for line in ("Triton", "FutureWarning", "NUMA binding", "Chat template", "INFO", "WARNING"):
+        assert line not in result.stderr, result.stderr[-3000:]
+    assert result.stderr == ""
 
 
 @needs_vllm

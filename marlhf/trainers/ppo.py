@@ -349,6 +349,10 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
     Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
     accelerator = make_accelerator(config)
+    # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
+    # the models load and before anything is written to output_dir.
+    plugins = {option: (config.plugin(option), config.plugin_options(option)) for option in PLUGINS}
+    engine = make_engine(config.rollout_engine, EngineContext(config, accelerator, plugins["rollout_engine"][1]))
     records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
     require_fields(records, ("prompt",), "rl")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
@@ -368,8 +372,6 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     start_step, logger = start_run(config, accelerator, prepared, optimizers, schedulers)
     policy = prepared["policy"]
     eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
-    plugins = {option: (config.plugin(option), config.plugin_options(option)) for option in PLUGINS}
-    engine = make_engine(config.rollout_engine, EngineContext(config, accelerator, plugins["rollout_engine"][1]))
     run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
                  models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
                  eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
