@@ -376,7 +376,7 @@ def test_a_model_directory_without_a_tokenizer_names_the_missing_files(tmp_path,
     for file in ("config.json", "model.safetensors"):
         shutil.copy(tiny_model_dir / file, model_only / file)
     with pytest.raises(MarlhfError, match=rf"no tokenizer files in {model_only} \(it holds config.json, "
-                                          r"model.safetensors; a tokenizer is tokenizer.json, or tokenizer_config.json"):
+                                          r"model.safetensors; a tokenizer is tokenizer.json, or tokenizer_config"):
         load_tokenizer(str(model_only))
     checkpoint = tmp_path / "checkpoint-3"
     shutil.copytree(tiny_model_dir, checkpoint / "policy")

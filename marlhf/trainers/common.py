@@ -423,7 +423,8 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
                     loss, stats = loss_fn(model, batch)
                     backward(accelerator, model, loss / len(micro_batches), index == len(micro_batches) - 1)
                 step_stats.append({"loss": loss.detach(), **stats})
-            grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
+            grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm,
+                                                      guard)
 
             done = step + 1
             metrics = {}
