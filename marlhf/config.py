@@ -14,8 +14,9 @@ API (for trainer authors):
     MyConfig.add_arguments(parser); MyConfig.from_arguments(namespace)   (used by marlhf.cli subcommands)
     config.to_dict(); config.save_yaml(path)
 
-Supported field types: bool (`--name`, `--name true|false` on the command line), int, float, str, Literal[...], tuple[T, ...], dict[str, Any] (a mapping: a YAML
-mapping in a file, YAML flow text `'{a: 1}'` on the command line), and `X | None` of these.
+Supported field types: bool (`--name` or `--name true|false` on the command line), int, float, str, Literal[...],
+tuple[T, ...], dict[str, Any] (a mapping: a YAML mapping in a file, YAML flow text `'{a: 1}'` on the command
+line), and `X | None` of these.
 Every field is declared with `option(default, help, gt=, ge=, lt=, le=)`; the bounds are checked on
 construction (None always passes bounds).
 """
