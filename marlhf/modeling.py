@@ -120,9 +120,9 @@ def _check_hub_id(repo_id: str) -> None:
 def _hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool) -> str | None:
     """HEAD of the repo's config.json, retried on 408/429/5xx, timeouts and dropped connections within timeout_s
     seconds in all: None when the Hub answered, else what it did last ("answered HTTP 503 ... after 3 tries in
-    7.1 s"). A repo that is not there (or gated, private) is a MarlhfError when missing_is_error."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
+    7.1 s"). Another 4xx (not there, gated, private) is a MarlhfError when missing_is_error, else None."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError
 
     started = time.monotonic()
     deadline = started + timeout_s
@@ -130,21 +130,20 @@ def _hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool) -> str |
     while True:
         tries += 1
         try:
+            # the URL hf_hub_download asks first (from HF_ENDPOINT), with what is left of the time
             get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=max(deadline - time.monotonic(), 1e-3))
             return None
         except RemoteEntryNotFoundError:
             return None  # the repo is there without a config.json: from_pretrained says what it lacks
-        except RepositoryNotFoundError as error:  # 401 / 403 / 404, gated repos included
-            if not missing_is_error:
-                return None
-            raise MarlhfError(f"model {repo_id!r} is not a local directory, and the Hub answered HTTP "
-                              f"{error.response.status_code} for it: check the id, or for a gated or private "
-                              "model log in (hf auth login) or set HF_TOKEN") from None
         except HfHubHTTPError as error:
             code = error.response.status_code
             status = f"answered HTTP {code} {error.response.reason_phrase}"
-            if code not in (408, 429) and code < 500:
-                return None if not missing_is_error else status
+            if code not in (408, 429) and code < 500:  # not there, gated or private: asking again cannot help
+                if not missing_is_error:
+                    return None
+                raise MarlhfError(f"model {repo_id!r} is not a local directory, and the Hub ({constants.ENDPOINT}) "
+                                  f"{status} for it: check the id (and HF_ENDPOINT), or for a gated or private "
+                                  "model log in (hf auth login) or set HF_TOKEN") from None
         except Exception as error:  # noqa: BLE001 - the HTTP client's network errors: classified by their cause
             cause = _root_cause(error)
             status = f"failed ({cause or error})"

@@ -216,6 +216,7 @@ def test_the_hub_check_takes_seconds_not_the_downloads_retries(monkeypatch, tmp_
 
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hub, "ENDPOINT", UNREACHABLE_HUB)
+    monkeypatch.setattr(hub, "HUGGINGFACE_CO_URL_TEMPLATE", UNREACHABLE_HUB + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
     started = time.perf_counter()
     with pytest.raises(MarlhfError, match="unreachable"):

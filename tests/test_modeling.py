@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 import torch
 
-from marlhf.modeling import (ScalarHeadModel, last_token_index, load_causal_lm, load_tokenizer, pad_sequences,
-                             position_ids_from_mask, sequence_logprobs, token_logprobs)
+from marlhf.errors import MarlhfError
+from marlhf.modeling import (ScalarHeadModel, check_model_path, last_token_index, load_causal_lm, load_tokenizer,
+                             pad_sequences, position_ids_from_mask, sequence_logprobs, token_logprobs)
+from tests.hub_cache import put_in_hub_cache
 
 
 def test_token_logprobs_matches_log_softmax():
@@ -71,3 +77,79 @@ def test_pad_token_falls_back_to_eos(tmp_path, tiny_tokenizer):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(str(tmp_path))
     assert tokenizer.pad_token == "</s>"
+
+
+class FakeHubHandler(BaseHTTPRequestHandler):
+    """HEAD of a Hub file: answers `server.status`, or hangs until the test ends when it is None."""
+
+    def do_HEAD(self):
+        self.server.requests.append(self.path)
+        if self.server.status is None:
+            self.server.release.wait(60)
+        else:
+            self.send_response(self.server.status)
+            self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A Hub on 127.0.0.1 (ENDPOINT and the file URL template that hf_hub_url reads), online, an empty cache and a
+    2 s MARLHF_HUB_TIMEOUT."""
+    import huggingface_hub.constants as hub
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHubHandler)
+    server.daemon_threads, server.requests, server.status, server.release = True, [], 200, threading.Event()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(hub, "ENDPOINT", endpoint)
+    monkeypatch.setattr(hub, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MARLHF_HUB_TIMEOUT", "2")
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("status, expected", [(503, r"answered HTTP 503 Service Unavailable after \d+ tries in"),
+                                              (None, r"failed \(timed out\) after 1 try in 2\.\d s")])
+def test_a_hub_that_fails_or_hangs_is_given_up_within_the_limit(fake_hub, status, expected):
+    fake_hub.status = status
+    started = time.monotonic()
+    with pytest.raises(MarlhfError, match=rf"'no/model' is neither .* the Hub \(http://127.0.0.1:\d+\) is "
+                                          rf"unreachable: it {expected}.*raise MARLHF_HUB_TIMEOUT \(now 2 s\)"):
+        check_model_path("no/model")
+    assert time.monotonic() - started < 10  # behaviour, not a benchmark: the download's retries take minutes
+
+
+def test_a_hub_id_the_hub_does_not_have_is_one_line_at_once(fake_hub):
+    fake_hub.status = 404
+    with pytest.raises(MarlhfError, match="answered HTTP 404 Not Found for it: check the id"):
+        check_model_path("no/model")
+    assert fake_hub.requests == ["/no/model/resolve/main/config.json"]  # not retried
+    fake_hub.status = 200
+    check_model_path("no/model")  # there: from_pretrained downloads it
+
+
+def test_a_cached_hub_id_is_loaded_offline_when_the_hub_hangs(fake_hub, tmp_path):
+    import huggingface_hub.constants as hub
+
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "config.json").write_text("{}")
+    put_in_hub_cache(tmp_path / "hub", "cached/model", tmp_path / "files")
+    fake_hub.status = None
+    check_model_path("cached/model")
+    assert hub.HF_HUB_OFFLINE  # from_pretrained reads the cache without asking the Hub once per file
+    check_model_path("cached/model")
+    assert len(fake_hub.requests) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
+def test_the_hub_timeout_must_be_positive_seconds(fake_hub, monkeypatch, value):
+    monkeypatch.setenv("MARLHF_HUB_TIMEOUT", value)
+    with pytest.raises(MarlhfError, match=f"MARLHF_HUB_TIMEOUT='{value}' must be a number of seconds > 0"):
+        check_model_path("no/model")

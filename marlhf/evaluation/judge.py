@@ -203,7 +203,8 @@ class ChatJudge:
             except urllib.error.HTTPError as error:
                 status = f"answered HTTP {error.code} {error.reason}"
                 if error.code != 429 and error.code < 500:  # a client error: retrying cannot help
-                    raise MarlhfError(f"judge endpoint {self.endpoint} {status} ({error.read()[:200].decode(errors='replace')!r}); "
+                    answer = error.read()[:200].decode(errors="replace")
+                    raise MarlhfError(f"judge endpoint {self.endpoint} {status} ({answer!r}); "
                                       f"{_CLIENT_ERROR_HINTS.get(error.code, _CLIENT_ERROR_HINT)}") from None
                 retry_after = error.headers.get("Retry-After", "").strip()
                 if retry_after.isdigit():
@@ -215,7 +216,8 @@ class ChatJudge:
                     # nothing listens there, or an unknown host or a TLS failure: waiting cannot help
                     raise MarlhfError(f"judge endpoint {self.endpoint} cannot be reached ({reason}); check "
                                       "--judge-url and that the server is running") from None
-                status = f"failed ({'timed out' if isinstance(reason, TimeoutError) else reason or type(reason).__name__})"
+                reason = "timed out" if isinstance(reason, TimeoutError) else reason or type(reason).__name__
+                status = f"failed ({reason})"
             elapsed = time.monotonic() - started
             if tries > self.max_retries or time.monotonic() + delay >= deadline:
                 raise MarlhfError(f"judge endpoint {self.endpoint} {status} after {tries} "
