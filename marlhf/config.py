@@ -112,9 +112,14 @@ def coerce_option(name: str, value: Any, annotation: Any) -> Any:
     if inner is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
-        if not math.isfinite(value):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past the largest float
+            raise ValueError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} "
+                             "digits") from None
+        if not math.isfinite(number):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
-        return float(value)
+        return number
     if inner is str:
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string, got {value!r}")

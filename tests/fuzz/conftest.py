@@ -1,0 +1,49 @@
+"""The fuzzer's inputs (tiny models, built once), offline Hub, and the stub that keeps runs from starting."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from marlhf import cli
+from marlhf.modeling import ScalarHeadModel
+from tests.fuzz.harness import SHORT_POSITIONS, Started
+
+
+@pytest.fixture(scope="session")
+def fuzz_models(tmp_path_factory, tiny_model_dir, tiny_tokenizer) -> dict[str, Path]:
+    """policy: the tiny Llama; reward: a ScalarHeadModel on it; short: a GPT-2 with SHORT_POSITIONS positions."""
+    torch.manual_seed(5)
+    reward = tmp_path_factory.mktemp("fuzz_rm")
+    ScalarHeadModel.from_pretrained(tiny_model_dir).save_pretrained(reward)
+    tiny_tokenizer.save_pretrained(reward)
+    short = tmp_path_factory.mktemp("fuzz_gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=SHORT_POSITIONS, n_embd=32, n_layer=1,
+                               n_head=2, bos_token_id=tiny_tokenizer.bos_token_id,
+                               eos_token_id=tiny_tokenizer.eos_token_id)).save_pretrained(short)
+    tiny_tokenizer.save_pretrained(short)
+    return {"policy": Path(tiny_model_dir), "reward": reward, "short": short}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """A name that is not a local path is a Hub id: answered offline at once, never looked up."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    yield
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """The trainers, evaluate and the demo refuse to start (an invalid option must stop before them)."""
+    def started(*args, **kwargs):
+        raise Started("a run started on an invalid input")
+
+    for module, _, function, _ in cli.COMMANDS.values():
+        monkeypatch.setattr(importlib.import_module(module), function, started)
+    monkeypatch.setattr("marlhf.demo.pipeline.run_demo", started)
