@@ -182,6 +182,8 @@ def load_records(
         resolved = dataclasses.replace(resolved, to_record=functools.partial(webgpt_to_record, ties=webgpt_ties))
     if resolved is None:
         records = read_rows(dataset)
+        if not records:
+            raise ValueError(f"dataset file {dataset!r} holds no records (it is empty or blank)")
         check_stage_records(records, stage, source=dataset)
         return subsample(records, max_samples, seed)
     if is_local_path(dataset):

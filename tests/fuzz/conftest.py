@@ -7,26 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from marlhf import cli
 from marlhf.modeling import ScalarHeadModel
-from tests.fuzz.harness import SHORT_POSITIONS, Started
+from tests.fuzz.harness import Started
 
 
 @pytest.fixture(scope="session")
 def fuzz_models(tmp_path_factory, tiny_model_dir, tiny_tokenizer) -> dict[str, Path]:
-    """policy: the tiny Llama; reward: a ScalarHeadModel on it; short: a GPT-2 with SHORT_POSITIONS positions."""
+    """policy: the tiny Llama; reward: a ScalarHeadModel on it."""
     torch.manual_seed(5)
     reward = tmp_path_factory.mktemp("fuzz_rm")
     ScalarHeadModel.from_pretrained(tiny_model_dir).save_pretrained(reward)
     tiny_tokenizer.save_pretrained(reward)
-    short = tmp_path_factory.mktemp("fuzz_gpt2")
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_positions=SHORT_POSITIONS, n_embd=32, n_layer=1,
-                               n_head=2, bos_token_id=tiny_tokenizer.bos_token_id,
-                               eos_token_id=tiny_tokenizer.eos_token_id)).save_pretrained(short)
-    tiny_tokenizer.save_pretrained(short)
-    return {"policy": Path(tiny_model_dir), "reward": reward, "short": short}
+    return {"policy": Path(tiny_model_dir), "reward": reward}
 
 
 @pytest.fixture(autouse=True)

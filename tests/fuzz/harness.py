@@ -20,7 +20,6 @@ from marlhf import cli
 from tests.fuzz import examples
 
 ERROR_LINE = re.compile(r"^marlhf( [\w-]+)?: error: ")
-SHORT_POSITIONS = 24  # the GPT-2 model's positions: a prompt or max_length past them must not crash
 
 
 class Started(Exception):
