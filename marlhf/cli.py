@@ -12,11 +12,14 @@ datasets' and the Hub's bars, their info messages and deprecation warnings) are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 import typing
 import warnings
@@ -122,8 +125,9 @@ def quiet_libraries(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; the one error boundary of every command. An expected failure prints one line,
     `marlhf: error: <what, where, what to do>`, and returns its class's exit code (marlhf.errors: 2 for bad
-    input, 3 a missing optional package, 4 out of memory, 130 Ctrl-C); `--verbose` shows its traceback first.
-    Anything else is a bug in marlhf: its traceback, then a line asking for a report, exit 1."""
+    input, 3 a missing optional package, 4 out of memory, 130 Ctrl-C, 143 SIGTERM during a trainer); `--verbose`
+    shows its traceback first. Anything else is a bug in marlhf: its traceback, then a line asking for a report,
+    exit 1."""
     argv = sys.argv[1:] if argv is None else argv
     verbose = "--verbose" in argv
     argv = [argument for argument in argv if argument != "--verbose"]
@@ -149,6 +153,10 @@ def _expected_failure(error: BaseException, config) -> BaseException | None:
     """`error` as an expected failure of the user's input or environment (None: a bug). Bad input is a
     ValueError (MarlhfError, or a check's plain ValueError) or an OSError about their files, paths or endpoints;
     Ctrl-C, out-of-memory and a missing optional package become their marlhf.errors classes."""
+    if isinstance(error, _Terminated):
+        stopped = Interrupted(f"terminated (SIGTERM); {_saved(config)}")
+        stopped.exit_code = 128 + signal.SIGTERM  # 143, what a shell reports for `kill PID`: schedulers tell it apart
+        return stopped
     if isinstance(error, KeyboardInterrupt):
         return Interrupted(f"interrupted (Ctrl-C); {_saved(config)}")
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
@@ -160,6 +168,31 @@ def _expected_failure(error: BaseException, config) -> BaseException | None:
     if isinstance(error, (ValueError, OSError)):  # MarlhfError is a ValueError
         return error
     return None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill PID`, a scheduler's preemption) during a trainer, raised where Ctrl-C's KeyboardInterrupt is."""
+
+
+def _raise_terminated(signum: int, frame) -> typing.NoReturn:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM stops the body as Ctrl-C does (a KeyboardInterrupt: checkpoints are written atomically, so the
+    newest complete one is named with --resume latest) instead of killing the process without a word; the previous
+    handler is back afterwards. Python installs handlers in the main thread only, and one installed outside Python
+    (getsignal: None) could not be put back: then nothing changes."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _saved(config) -> str:
@@ -221,8 +254,9 @@ def _run(argv: list[str], started: list) -> int:
     started.append(config)
     from marlhf.modeling import check_model_path
 
-    for name, value in config.to_dict().items():  # a missing model fails before any data is read
-        if name.endswith("name_or_path") and isinstance(value, str):
-            check_model_path(value)
-    getattr(importlib.import_module(module_name), train_name)(config)
+    with _sigterm_as_ctrl_c() if hasattr(config, "save_steps") else contextlib.nullcontext():  # a trainer: resumable
+        for name, value in config.to_dict().items():  # a missing model fails before any data is read
+            if name.endswith("name_or_path") and isinstance(value, str):
+                check_model_path(value)
+        getattr(importlib.import_module(module_name), train_name)(config)
     return 0

@@ -6,7 +6,7 @@
     MissingPackage (exit 3)  an optional package that this use needs is not installed
     OutOfMemory (exit 4)     the device (or the host) ran out of memory; the checkpoints saved so far are complete
     Interrupted (exit 130)   Ctrl-C (SIGINT); the checkpoints saved so far are complete and `--resume latest`
-                             continues from the newest
+                             continues from the newest; SIGTERM during a trainer: the same, exit 143
 
 `MarlhfError` is a ValueError, the type every marlhf check raises for bad input, so `except ValueError` catches
 both. The command line (marlhf.cli) prints any of them, a plain ValueError (exit 2) and an OSError about the

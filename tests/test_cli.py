@@ -333,6 +333,33 @@ def test_the_environments_failures_have_their_exit_codes(monkeypatch, tmp_path, 
     assert got == code and says in line, line
 
 
+def test_sigterm_stops_a_trainer_as_ctrl_c_does_and_gives_the_handler_back(monkeypatch, tmp_path, tiny_model_dir,
+                                                                           capsys):
+    """`kill PID` mid-training: the Ctrl-C path (what was saved, how to resume) with exit 143; the handler that was
+    installed before the command is installed again afterwards."""
+    import signal
+
+    from marlhf.trainers import sft
+
+    def train(config):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the signal's handler runs at the next bytecode: this never finishes
+
+    def callers_handler(signum, frame):
+        raise AssertionError("the caller's handler ran during the command")
+
+    monkeypatch.setattr(sft, "train_sft", train)
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        code, line = _one_line_exit(capsys, ["sft", "--model_name_or_path", str(tiny_model_dir), "--output_dir",
+                                             str(tmp_path / "out")])
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143
+    assert line.startswith("marlhf: error: terminated (SIGTERM); no checkpoint was saved in"), line
+
+
 def test_evaluate_on_a_model_without_tokenizer_files_names_them(tmp_path, tiny_model_dir, capsys):
     model_only = tmp_path / "model_only"
     model_only.mkdir()

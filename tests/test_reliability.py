@@ -309,9 +309,13 @@ def _stderr_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("sft: ")]
 
 
-def test_ctrl_c_says_what_was_saved_and_resume_latest_continues(tmp_path, tiny_model_dir, tiny_records):
-    """SIGINT mid-training (a user's Ctrl-C): exit 130 with one line naming the newest checkpoint and
-    `--resume latest`; the same command with it continues from that checkpoint."""
+@pytest.mark.parametrize("stop, code, what", [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
+                                              (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_ctrl_c_says_what_was_saved_and_resume_latest_continues(tmp_path, tiny_model_dir, tiny_records, stop, code,
+                                                                what):
+    """SIGINT mid-training (a user's Ctrl-C) or SIGTERM (`kill PID`, a scheduler's preemption): exit 130 or 143 with
+    one line naming the newest checkpoint and `--resume latest`; the same command with it continues from that
+    checkpoint."""
     dataset = tmp_path / "sft.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
     output_dir = tmp_path / "run"
@@ -328,12 +332,12 @@ def test_ctrl_c_says_what_was_saved_and_resume_latest_continues(tmp_path, tiny_m
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.05)
     finally:
-        child.send_signal(signal.SIGINT)
+        child.send_signal(stop)
         _, stderr = child.communicate(timeout=120)
-    assert child.returncode == 130, stderr[-2000:]
+    assert child.returncode == code, stderr[-2000:]
     lines = _stderr_lines(stderr)
     newest = list_checkpoints(output_dir)[-1]
-    assert lines == [f"marlhf: error: interrupted (Ctrl-C); the newest checkpoint is {newest} (step "
+    assert lines == [f"marlhf: error: {what}; the newest checkpoint is {newest} (step "
                      f"{newest.name.split('-')[1]}): run the same command with --resume latest to continue from it"]
     assert "Traceback" not in stderr
     step = int(newest.name.split("-")[1])
