@@ -38,28 +38,38 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"dataset file {str(path)!r} does not exist")
     if path.suffix == ".jsonl":
-        rows = []
-        with path.open("rb") as f:
-            for line_number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise ValueError(f"{path}:{line_number}: not valid UTF-8 ({error})") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
-                rows.append(row)
-        return rows
+        return read_jsonl(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet  # a dependency of `datasets`
 
         return pyarrow.parquet.read_table(path).to_pylist()
     raise ValueError(f"dataset file must end in one of {LOCAL_SUFFIXES}, got {str(path)!r}")
+
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one a line (blank lines skipped, a UTF-8 byte-order mark allowed), each
+    with `fields`; a line that is not one is a ValueError naming the file and line."""
+    rows = []
+    with Path(path).open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not valid UTF-8 ({error})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
+            missing = [name for name in fields if name not in row]
+            if missing:
+                raise ValueError(f"{path}:{line_number}: each line needs the fields {list(fields)}, this one lacks "
+                                 f"{missing}")
+            rows.append(row)
+    return rows
 
 
 def check_stage_records(records: list[dict[str, Any]], stage: str, source: str) -> None:

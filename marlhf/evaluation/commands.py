@@ -11,6 +11,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 
+def _number(minimum: float, kind: type = float) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` >= minimum (argparse names the flag when it refuses one)."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {kind.__name__}, got {text!r}") from None
+        if not value >= minimum or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 class Tool(NamedTuple):
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
@@ -25,7 +39,7 @@ def _plot_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the name of each run directory's parent)")
     parser.add_argument("--metrics", nargs="+", default=None,
                         help="metric names to draw (default: the known diagnostics the runs logged)")
-    parser.add_argument("--smooth", type=int, default=1, help="trailing moving-average window in logged steps (default: 1)")
+    parser.add_argument("--smooth", type=_number(1, int), default=1, help="trailing moving-average window in logged steps (default: 1)")
 
 
 def _run_plot(arguments: argparse.Namespace) -> int:
@@ -49,16 +63,16 @@ def _judge_arguments(parser: argparse.ArgumentParser) -> None:
                         help="environment variable holding the API key of --judge-url (default: no key)")
     parser.add_argument("--cache-dir", default=".judge_cache",
                         help="on-disk cache of the endpoint's answers (default: .judge_cache)")
-    parser.add_argument("--max-workers", type=int, default=4, help="concurrent requests (default: 4)")
+    parser.add_argument("--max-workers", type=_number(1, int), default=4, help="concurrent requests (default: 4)")
     parser.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS",
                         help="total time one request to --judge-url may take, its retries included; the first "
                              "request that gives up ends the run (default: 15)")
     parser.add_argument("--template", default=None,
                         help="text file of the judge's prompt with {prompt}, {first} and {second}, asking for an "
                              "answer of 1, 2 or tie (default: marlhf.evaluation.judge.JUDGE_TEMPLATE)")
-    parser.add_argument("--tie-margin", type=float, default=0.0,
+    parser.add_argument("--tie-margin", type=_number(0), default=0.0,
                         help="--reward-model: score differences up to this are ties (default: 0)")
-    parser.add_argument("--batch-size", type=int, default=16, help="--reward-model: scoring batch size (default: 16)")
+    parser.add_argument("--batch-size", type=_number(1, int), default=16, help="--reward-model: scoring batch size (default: 16)")
 
 
 def _run_judge(arguments: argparse.Namespace) -> int:

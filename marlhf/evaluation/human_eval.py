@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from marlhf.data.records import read_jsonl
 from marlhf.evaluation.judge import a_shown_first, summarize_winners
 
 CHOICES = {"left", "right", "tie"}
@@ -162,8 +163,7 @@ def serve(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 8000) 
 
 
 def _read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path, fields=("index", "prompt", "choice"))
 
 
 def cohen_kappa(labels_1: Sequence[str], labels_2: Sequence[str]) -> float:
@@ -180,8 +180,11 @@ def cohen_kappa(labels_1: Sequence[str], labels_2: Sequence[str]) -> float:
 def summarize_choices(paths: Sequence[str | Path]) -> dict[str, Any]:
     """Win rate of A in each choices file; with two files, agreement on the prompts both annotated."""
     if not 1 <= len(paths) <= 2:
-        raise ValueError(f"give one or two choices files, got {len(paths)}")
+        raise ValueError(f"--summary takes one or two choices files, got {len(paths)}")
     choices = [{row["prompt"]: row["choice"] for row in _read_jsonl(path)} for path in paths]
+    for path, annotated in zip(paths, choices):
+        if not annotated:
+            raise ValueError(f"{path} holds no choices")
     result: dict[str, Any] = {"annotators": [{"file": str(p), "num_choices": len(c), **summarize_winners(list(c.values()))}
                                              for p, c in zip(paths, choices)]}
     if len(paths) == 2:

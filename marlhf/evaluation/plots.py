@@ -8,7 +8,6 @@ deviation, at the steps every run of the group logged.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from marlhf.data.records import read_jsonl
 from marlhf.logging_utils import METRICS_FILE
 
 # Metric name in metrics.jsonl -> axis title. Drawn in this order when present.
@@ -69,7 +69,9 @@ def load_runs(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = Non
         metrics_file = path / METRICS_FILE
         if not metrics_file.is_file():
             raise ValueError(f"run directory {str(path)!r} has no {METRICS_FILE}")
-        rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(metrics_file, fields=("step",))
+        if not rows:
+            raise ValueError(f"{metrics_file} holds no metrics")
         label = labels[index] if labels is not None else default_label(path)
         runs.append(RunMetrics(label, path, rows))
     return runs
