@@ -44,7 +44,9 @@ import argparse
 import dataclasses
 import json
 import math
+import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import credit_assignment as study_one  # noqa: E402  (its run machinery, set-ups and curve helpers)
 
-from marlhf.evaluation.stats import holm, paired_t  # noqa: E402
+from marlhf.evaluation.stats import holm, paired_t, t_quantile  # noqa: E402
 
 SETUPS = study_one.SETUPS
 TASKS = {"task1": study_one.TASKS["task1"], "task1_long": study_one.TASKS["task1_long"],
@@ -83,6 +85,10 @@ FIXED_ARMS = {
     "rloo": {**TOKEN, "advantage": "rloo", "num_samples_per_prompt": 4},  # the demo's rloo (critic_free_options)
 }
 MA = "ma_first"  # the macro-action arm the decision is about
+ALPHA, POWER = 0.05, 0.8  # familywise level of the simultaneous intervals; power of the detectable difference
+DESIGN_COMMIT = "12b60e3"  # the pre-registration: no run before it
+BUDGET_HOURS = 12.0  # of wall time, from the first runs (the design's budget)
+KL_NEAR = 0.1  # a final KL within 10 % of its target counts as reaching it
 SECONDARY = ("tok_fixed_kl", "ma_first_fixed_kl")  # TOK and MA at their chosen settings, fixed kl_coef
 
 DECISION_RULE = """\
@@ -197,6 +203,31 @@ def load_results(results: Path) -> dict[tuple, dict]:
     return out
 
 
+def t_test_power(difference: float, sd: float, n: int, alpha: float) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with `n` pairs when the true mean difference is
+    `difference` and the differences' SD is `sd`: the noncentral t's tails, exact up to the quadrature over the
+    chi-square law of the sample variance."""
+    df = n - 1
+    critical = t_quantile(1 - alpha / 2, df)
+    shift = difference * math.sqrt(n) / sd
+    v = np.linspace(1e-9, df + 20 * math.sqrt(2 * df), 2001)  # chi-square(df) to 20 SDs above its mean
+    density = np.exp((df / 2 - 1) * np.log(v) - v / 2 - df / 2 * math.log(2) - math.lgamma(df / 2))
+    bound = critical * np.sqrt(v / df)
+    normal_cdf = np.vectorize(lambda x: 0.5 * math.erfc(-x / math.sqrt(2)))
+    tails = normal_cdf(shift - bound) + normal_cdf(-shift - bound)
+    return float(np.sum((tails * density)[1:] + (tails * density)[:-1]) / 2 * (v[1] - v[0]))
+
+
+def detectable_difference(sd: float, n: int, alpha: float, power: float = POWER) -> float:
+    """The smallest true mean difference the paired t-test (two-sided, level `alpha`, `n` pairs, SD `sd`) detects
+    with probability `power` (bisection on `t_test_power`)."""
+    low, high = 0.0, 20.0 * sd
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_test_power(mid, sd, n, alpha) < power else (low, mid)
+    return high
+
+
 def _gain(result: dict) -> float:
     return result["held_out"]["gold_reward"] - result["sft_held_out"]["gold_reward"]
 
@@ -248,7 +279,9 @@ def compare(design: Design, results: dict[tuple, dict], choices: dict) -> dict:
                                   for b in design.confirmation_builds},
                 "final_kl": float(np.mean([r["curves"]["objective/kl"][-1] for r in have.values()])) if have
                 else math.nan,
-                "vs_tok": paired_t(diffs),
+                "final_kl_coef": float(np.mean([r["curves"]["objective/kl_coef"][-1] for r in have.values()]))
+                if have and all("objective/kl_coef" in r["curves"] for r in have.values()) else math.nan,
+                "vs_tok": {**paired_t(diffs), **_bounds(diffs, len(groups))},
                 "vs_tok_by_build": {b: float(np.mean([d for d, (bb, _) in zip(diffs, common) if bb == b]))
                                     if any(bb == b for bb, _ in common) else math.nan
                                     for b in design.confirmation_builds}}
@@ -266,6 +299,26 @@ def compare(design: Design, results: dict[tuple, dict], choices: dict) -> dict:
                                 "no difference detected")
     table["decision"] = decide(design, table, choices)
     return table
+
+
+def _bounds(diffs: np.ndarray, groups: int) -> dict:
+    """What the paired differences of one group can show: the simultaneous interval over the groups (Bonferroni,
+    familywise 95 %), the largest difference it leaves open (`excluded_beyond`: differences beyond +-x are
+    excluded), and the smallest difference the test at ALPHA / groups detects with 80 % power at their SD."""
+    if len(diffs) < 2:
+        return {"simultaneous_ci": (math.nan, math.nan), "excluded_beyond": math.nan, "detectable": math.nan}
+    low, high = paired_t(diffs, 1 - ALPHA / groups)["ci"]
+    sd = float(np.std(diffs, ddof=1))
+    return {"simultaneous_ci": (low, high), "excluded_beyond": max(abs(low), abs(high)),
+            "detectable": detectable_difference(sd, len(diffs), ALPHA / groups) if sd > 0 else 0.0}
+
+
+def finding(vs_tok: dict, verdict: str) -> str:
+    """A verdict in words that claim no more than the data show: 'no difference detected' with the differences
+    the simultaneous interval excludes."""
+    if verdict != "no difference detected":
+        return verdict
+    return f"no difference detected; differences beyond ±{vs_tok['excluded_beyond']:.3f} excluded"
 
 
 def decide(design: Design, table: dict, choices: dict) -> dict:
@@ -288,8 +341,9 @@ def decide(design: Design, table: dict, choices: dict) -> dict:
 
 
 def secondary(design: Design, results: dict[tuple, dict]) -> dict:
-    """Fixed kl_coef: final gold, steps to 80 % of TOK's gain over the first step's gold (seed-mean curves) and gold
-    at TOK's final KL, per group (descriptive); a group only once all its runs have a result."""
+    """Fixed kl_coef: final gold, final KL (the last step's), steps to 80 % of TOK's gain over the first step's gold
+    and gold at TOK's final KL (both on the smoothed seed-mean curves), per group (descriptive); a group only once
+    all its runs have a result."""
     out = {}
     runs = len(design.confirmation_builds) * len(design.confirmation_seeds)
     for task in design.tasks:
@@ -305,7 +359,7 @@ def secondary(design: Design, results: dict[tuple, dict]) -> dict:
             target = start + 0.8 * (smooth["tok_fixed_kl"][-1] - start)
             out[f"{task}/{setup}"] = {arm: {
                 "n": len(rs[arm]), "final_gold": float(np.mean([r["held_out"]["gold_reward"] for r in rs[arm]])),
-                "final_kl": float(smooth_kl[arm][-1]),
+                "final_kl": float(kl[arm][:, -1].mean()),  # the last step's, as the primary's final KL
                 "steps_to_80": study_one._first_reaching(smooth[arm], target) if target > start else math.nan,
                 "gold_at_tok_kl": study_one._gold_at_kl(smooth_kl[arm], smooth[arm], float(smooth_kl["tok_fixed_kl"][-1]))}
                 for arm in SECONDARY}
@@ -323,25 +377,141 @@ def _ci(stats: dict, digits: int = 3) -> str:
 
 
 def headline(table: dict) -> list[str]:
-    """The short table the README carries: per group, TOK's and MA-PPO's final held-out gold and their paired
-    difference with its verdict; then the decision's case in one sentence."""
+    """The short table the README carries: per group, TOK's and MA-PPO's final held-out gold, their paired
+    difference, its simultaneous interval, the finding it supports and the smallest difference 8 pairs can detect;
+    then what that smallest difference is worth, and the decision's case in one sentence."""
     tok, d = table["tok"], table["decision"]
+    groups = table["groups"]
     lines = ["## Headline: MA-PPO against the best-tuned token-level arm", "",
              f"MA-PPO: {MA}+{table['settings'][MA]}; TOK: {tok}+{table['settings'][tok]}. Final held-out gold, mean "
-             "over (build, seed); difference paired by (build, seed) with its 95 % t-interval; p Holm-adjusted over "
-             "the groups.", "",
-             "| task / set-up | TOK | MA-PPO | MA-PPO - TOK | p (Holm) | verdict |", "|---|---|---|---|---|---|"]
-    for group, entry in table["groups"].items():
+             "over (build, seed); difference paired by (build, seed) with its 95 % t-interval and its simultaneous "
+             f"95 % interval over the {len(groups)} groups (Bonferroni: each at {100 * (1 - ALPHA / len(groups)):.2f} "
+             "%); p Holm-adjusted over the groups; detectable: the smallest true difference the test at alpha "
+             f"{ALPHA}/{len(groups)} finds with {100 * POWER:.0f} % power at the group's SD of the paired "
+             "differences.", "",
+             "| task / set-up | TOK | MA-PPO | MA-PPO - TOK | simultaneous 95 % | p (Holm) | finding | detectable |",
+             "|---|---|---|---|---|---|---|---|"]
+    worth = {}
+    for group, entry in groups.items():
         ma = entry["arms"][MA]
+        e = ma["vs_tok"]
+        low, high = e["simultaneous_ci"]
         lines.append(f"| {group} | {_f(entry['arms'][tok]['gold']['mean'])} | {_f(ma['gold']['mean'])} "
-                     f"| {_ci(ma['vs_tok'])} | {_f(ma['vs_tok'].get('p_holm', math.nan))} | {ma['verdict']} |")
+                     f"| {_ci(e)} | [{_f(low)}, {_f(high)}] | {_f(e.get('p_holm', math.nan))} "
+                     f"| {finding(e, ma['verdict'])} | {_f(e['detectable'])} |")
+        gain = entry["arms"][tok]["gold"]["mean"] - float(np.mean(list(entry["sft_gold_by_build"].values())))
+        worth[group] = (e["detectable"], e["detectable"] / gain if gain > 0 else math.nan)
+    smallest, largest = min(worth, key=lambda g: worth[g][0]), max(worth, key=lambda g: worth[g][0])
+    share = max(worth, key=lambda g: worth[g][1])
+    pairs = next(iter(groups.values()))["arms"][MA]["vs_tok"]["n"]
     conclusion = {1: "TOK is ahead in no group: macro actions stay the default",
                   2: "TOK is ahead in some group and MA-PPO in none: token-level PPO becomes the default",
                   3: "each is ahead somewhere: macro actions stay the default"}[d["case"]]
-    lines += ["", f"{'' if d['complete'] else '**Incomplete, nothing is decided:** '}Case {d['case']} of the rule: "
-                  f"{conclusion} ({d['defaults']['family']}+{d['defaults']['setting']}). MA-PPO ahead in: "
-                  f"{', '.join(d['ma_ahead']) or 'none'}; TOK ahead in: {', '.join(d['tok_ahead']) or 'none'}.", ""]
+    lines += ["", f"With {pairs} pairs a group, the smallest difference detectable with {100 * POWER:.0f} % power is "
+                  f"{_f(worth[smallest][0])} gold ({smallest}) to {_f(worth[largest][0])} ({largest}), up to "
+                  f"{100 * worth[share][1]:.0f} % of TOK's gain over SFT ({share}, gain "
+                  f"{_f(worth[share][0] / worth[share][1])}). \"no difference detected\" is therefore not "
+                  "equivalence: no margin was set in advance, and each group excludes only the differences beyond its "
+                  "simultaneous interval.", "",
+              f"{'' if d['complete'] else '**Incomplete, nothing is decided:** '}Case {d['case']} of the rule: "
+              f"{conclusion} ({d['defaults']['family']}+{d['defaults']['setting']}). MA-PPO ahead in: "
+              f"{', '.join(d['ma_ahead']) or 'none'}; TOK ahead in: {', '.join(d['tok_ahead']) or 'none'}.", ""]
     return lines
+
+
+def kl_against_target(table: dict) -> list[str]:
+    """Final KL of TOK and MA-PPO against each group's target: the controller holds the arms together, which is
+    what 'equal KL' means here, but not always at the target."""
+    tok = table["tok"]
+    lines = ["## KL at the end against the target (adaptive KL)", "",
+             "Final KL: the last step's KL of the training rollouts, mean over (build, seed).", "",
+             "| task / set-up | target | TOK | MA-PPO | MA-PPO - TOK | TOK / target | MA-PPO / target | final kl_coef "
+             "(TOK, MA-PPO; from 0.05) |",
+             "|---|---|---|---|---|---|---|---|"]
+    off, gaps = {}, []
+    for group, entry in table["groups"].items():
+        target = KL_TARGETS[tuple(group.split("/"))]
+        t, m = entry["arms"][tok]["final_kl"], entry["arms"][MA]["final_kl"]
+        gaps.append(abs(m - t))
+        coef = ", ".join(_f(entry["arms"][a]["final_kl_coef"]) for a in (tok, MA))
+        lines.append(f"| {group} | {target:g} | {_f(t, 1)} | {_f(m, 1)} | {m - t:+.1f} | {t / target:.2f} "
+                     f"| {m / target:.2f} | {coef} |")
+        ratios = (t / target, m / target)
+        if max(abs(r - 1) for r in ratios) > KL_NEAR:
+            side = "above" if min(ratios) > 1 else "below" if max(ratios) < 1 else "around"
+            off[group] = f"{group} ({side}: aimed at {target:g}, ended {min(t, m):.1f}-{max(t, m):.1f})"
+    near = [g for g in table["groups"] if g not in off]
+    lines += ["", f"The arms end at about the same KL (MA-PPO - TOK within ±{max(gaps):.1f} in every group), so the "
+                  "comparison is at equal KL between the arms. The controller did not always reach the target: within "
+                  f"{100 * KL_NEAR:.0f} % of it in {', '.join(near) or 'no group'}; not in "
+                  f"{'; '.join(off.values()) or 'none'}. \"Equal KL\" holds between the arms, not at the target.", ""]
+    return lines
+
+
+def fixed_against_adaptive(table: dict, second: dict) -> list[str]:
+    """The fixed-KL secondary against the adaptive-KL primary, arm by arm (same builds and seeds): where final KL
+    and final gold went, in words read off the numbers."""
+    arms = {"tok_fixed_kl": ("TOK", table["tok"]), "ma_first_fixed_kl": ("MA-PPO", MA)}
+    lines = ["| group | arm | final KL: adaptive -> fixed | final gold: adaptive -> fixed |", "|---|---|---|---|"]
+    kl_moves, gold_moves = {}, {}
+    for group, entries in second.items():
+        for arm, e in entries.items():
+            name, primary_arm = arms[arm]
+            p = table["groups"][group]["arms"][primary_arm]
+            lines.append(f"| {group} | {name} | {_f(p['final_kl'], 1)} -> {_f(e['final_kl'], 1)} "
+                         f"| {_f(p['gold']['mean'])} -> {_f(e['final_gold'])} |")
+            kl_moves.setdefault(group, []).append(e["final_kl"] - p["final_kl"])
+            gold_moves.setdefault(group, []).append((name, p["gold"]["mean"], e["final_gold"]))
+
+    def sides(moves: dict) -> tuple[list[str], list[str], list[str]]:
+        up = [g for g, m in moves.items() if all(x > 0 for x in m)]
+        down = [g for g, m in moves.items() if all(x < 0 for x in m)]
+        return up, down, [g for g in moves if g not in up and g not in down]
+
+    kl_up, kl_down, kl_mixed = sides(kl_moves)
+    gold_up, gold_down, gold_mixed = sides({g: [f - a for _, a, f in v] for g, v in gold_moves.items()})
+    mixed = "; ".join(f"{g} ({', '.join(f'{n} {a:.3f} -> {f:.3f}' for n, a, f in gold_moves[g])})" for g in gold_mixed)
+    lines += ["", f"With kl_coef fixed at 0.05, final KL is higher than under the adaptive controller for both arms "
+                  f"in {', '.join(kl_up) or 'no group'}, lower in {', '.join(kl_down) or 'no group'}"
+                  f"{'; mixed in ' + ', '.join(kl_mixed) if kl_mixed else ''} (the adaptive coefficients' end "
+                  "values are in the KL table above). Final held-out gold is higher for both arms in "
+                  f"{', '.join(gold_up) or 'no group'}, lower for both in {', '.join(gold_down) or 'no group'}"
+                  f"{'; mixed in ' + mixed if mixed else ''}. Descriptive: no test, and fixed against adaptive KL is "
+                  "not the study's comparison.", ""]
+    return lines
+
+
+def wall_clock(results_dir: Path, secondary_jobs: int) -> list[str]:
+    """The budget in wall time, read off the commits that added the result files (the files hold no timestamps):
+    from the design commit to the last result, and what ran past BUDGET_HOURS. Nothing when git has no record."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=results_dir, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else ""
+
+    start = git("log", "-1", "--format=%ct", DESIGN_COMMIT).strip()
+    added, commit = {}, None  # phase -> [commit time of each added result file]
+    for line in git("log", "--diff-filter=A", "--format=@%ct", "--name-only", "--", "*/build*-seed*.json").splitlines():
+        if line.startswith("@"):
+            commit = int(line[1:])
+        elif line.strip() and commit is not None:
+            added.setdefault(Path(line).parts[-5], []).append(commit)
+    if not start or not added:
+        return []
+    start = int(start)
+    hours = {phase: (max(times) - start) / 3600 for phase, times in added.items()}
+    first = (min(min(t) for t in added.values()) - start) / 3600
+    last = max(hours.values())
+    late = sum(t - start > BUDGET_HOURS * 3600 for t in added.get("secondary", []))
+    primary = max(hours.get("tuning", 0.0), hours.get("confirmation", 0.0))
+    when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"Wall time, read off the commits that added the result files (the files record none): the design commit "
+            f"{DESIGN_COMMIT} ({when}), the first results {first:.1f} h after it, the last {last:.1f} h after it, "
+            f"against a budget of {BUDGET_HOURS:g} h: "
+            f"{f'overrun by {last - BUDGET_HOURS:.1f} h' if last > BUDGET_HOURS else 'within it'}. "
+            f"Tuning and the primary comparison were in after {primary:.1f} h; {late} of the {secondary_jobs} "
+            "fixed-KL secondary runs came after the budget's end, where its rule would have cut the secondary "
+            "(descriptive: nothing decided rests on it). The run time summed over runs is below; the rest of the "
+            "wall time is the gaps between sittings.", ""]
 
 
 def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], choices: dict | None,
@@ -351,7 +521,9 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
     lines = ["# Study II: macro actions against a tuned token-level baseline", "",
              "Generated by `python benchmarks/credit_assignment_lambda.py --summarize` from the result files; do not "
              "edit. Design: the script's docstring and the README's Study II.", "",
-             f"Runs with a result: {len(results)} of {total} ({hours:.1f} h of run time).", "",
+             f"Runs with a result: {len(results)} of {total} ({hours:.1f} h of run time summed over the runs, "
+             f"{hours / 2:.1f} h at two at a time).", "",
+             *wall_clock(results_dir, sum(job[0] == "secondary" for job in confirmation_jobs(design))),
              "## Tuning (build 0, adaptive KL)", "",
              "Score: mean over the groups of (final held-out gold - SFT's held-out gold), each the mean over the tuning "
              "seeds. Chosen: highest score per family (ties: the first listed).", ""]
@@ -376,7 +548,7 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
     else:
         lines += ["", "Tuning incomplete: no setting is chosen yet.", ""]
     if table:
-        lines += headline(table)
+        lines += headline(table) + kl_against_target(table)
         lines += ["## Confirmation (builds " + ", ".join(map(str, design.confirmation_builds)) + ", adaptive KL)", "",
                   "Final held-out gold: mean [95 % t-interval] over (build, seed); difference vs TOK paired by (build, "
                   "seed), 95 % t-interval, p two-sided, Holm over the groups within each arm.", ""]
@@ -391,7 +563,8 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
                 diff_build = ", ".join(_f(v) for v in e["vs_tok_by_build"].values())
                 lines.append(f"| {arm}{'+' + setting if setting else ''} | {e['n']} | {_ci(e['gold'])} | {by_build} "
                              f"| {_f(e['final_kl'], 1)} | {_ci(e['vs_tok'])} | {diff_build} "
-                             f"| {_f(e['vs_tok']['p'])} ({_f(e['vs_tok'].get('p_holm', math.nan))}) | {e['verdict']} |")
+                             f"| {_f(e['vs_tok']['p'])} ({_f(e['vs_tok'].get('p_holm', math.nan))}) "
+                             f"| {finding(e['vs_tok'], e['verdict'])} |")
             lines.append("")
         d = table["decision"]
         lines += ["## Pre-registered decision", "", DECISION_RULE, "",
@@ -406,13 +579,16 @@ def write_report(design: Design, results_dir: Path, results: dict[tuple, dict], 
         if done < len(secondary_jobs):
             lines += [f"Running: {done} of {len(secondary_jobs)} runs; a group is shown once all its runs are in.", ""]
     if second:
-        lines += ["| group | arm | runs | final gold | final KL | steps to 80 % of TOK's gain | gold at TOK's final KL |",
+        lines += ["| group | arm | runs | final gold | final KL | steps to 80 % of TOK's gain | gold at TOK's final KL "
+                  "(smoothed curves) |",
                   "|---|---|---|---|---|---|---|"]
         for group, arms in second.items():
             for arm, e in arms.items():
                 lines.append(f"| {group} | {arm} | {e['n']} | {_f(e['final_gold'])} | {_f(e['final_kl'], 1)} "
                              f"| {_f(e['steps_to_80'], 0)} | {_f(e['gold_at_tok_kl'])} |")
         lines.append("")
+        if table:
+            lines += fixed_against_adaptive(table, second)
     (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
     (results_dir / "summary.json").write_text(json.dumps({"choices": choices, "confirmation": table,
                                                           "secondary": second, "runs": len(results)}, indent=1) + "\n")

@@ -96,6 +96,11 @@ def test_tuning_and_decision_rules_on_made_up_results(tmp_path):
     assert "Case 1 of the rule: TOK is ahead in no group" in lines[-2]
     assert "MA-PPO ahead in: task1/gold_sft;" in lines[-2]
 
+    kl = "\n".join(study.kl_against_target(table))  # every made-up run ends at KL 5
+    assert "within ±0.0 in every group" in kl and "within 10 % of it in no group" in kl
+    assert "task1_long/gold_sft (above: aimed at 4, ended 5.0-5.0)" in kl and "task1/gold_sft (below: aimed at 9" in kl
+    assert "no difference detected; differences beyond ±" in "\n".join(lines)
+
     decision = confirm({"task3/rm_rm": -0.2})["decision"]
     assert decision["case"] == 2 and decision["tok_ahead"] == ["task3/rm_rm"] and decision["ma_ahead"] == []
     assert decision["defaults"] == {"family": "vcppo", "setting": "lam0.99", "options": study.FAMILIES["vcppo"][1][
@@ -139,3 +144,20 @@ def test_runs_of_one_build_must_share_their_models(tmp_path):
     with pytest.raises(ValueError, match="different models of task1 build 0"):
         study.load_results(tmp_path)
 
+
+
+def test_power_and_what_a_group_excludes():
+    """The exact power of the paired t-test against textbook values (n = 10, effect 1 SD, alpha 0.05: 0.803; no
+    effect: alpha), the detectable difference as its inverse, and the simultaneous interval as Bonferroni's."""
+    assert study.t_test_power(1.0, 1.0, 10, 0.05) == pytest.approx(0.8031, abs=5e-4)
+    assert study.t_test_power(0.0, 2.0, 8, 0.05 / 6) == pytest.approx(0.05 / 6, rel=1e-4)
+    detectable = study.detectable_difference(2.0, 10, 0.05)  # just under 1 SD, where the power is 0.803
+    assert 1.98 < detectable < 2.0 and study.t_test_power(detectable, 2.0, 10, 0.05) == pytest.approx(0.8, abs=1e-6)
+    diffs = np.array([0.01, -0.02, 0.03, 0.0, 0.015, -0.005, 0.02, 0.01])
+    bounds = study._bounds(diffs, 6)
+    low, high = study.paired_t(diffs, 1 - 0.05 / 6)["ci"]
+    assert bounds["simultaneous_ci"] == (low, high) and bounds["excluded_beyond"] == max(-low, high)
+    assert bounds["detectable"] == pytest.approx(study.detectable_difference(float(diffs.std(ddof=1)), 8, 0.05 / 6))
+    assert study.finding(bounds, "no difference detected") == (
+        f"no difference detected; differences beyond ±{max(-low, high):.3f} excluded")
+    assert study.finding(bounds, "behind") == "behind"
