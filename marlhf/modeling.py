@@ -103,7 +103,7 @@ def _check_hub_id(repo_id: str) -> None:
             return
         raise MarlhfError(f"model {where}, and HF_HUB_OFFLINE is set: download it where there is a network, point "
                           "HF_HOME at a cache that holds it, or pass a local directory")
-    unanswered = _hub_lookup(repo_id, hub_timeout(), missing_is_error=not cached)
+    unanswered = hub_lookup(repo_id, hub_timeout(), missing_is_error=not cached)
     if unanswered is None:
         return
     if cached:
@@ -117,10 +117,15 @@ def _check_hub_id(repo_id: str) -> None:
                       f"{hub_timeout():g} s)")
 
 
-def _hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool) -> str | None:
-    """HEAD of the repo's config.json, retried on 408/429/5xx, timeouts and dropped connections within timeout_s
-    seconds in all: None when the Hub answered, else what it did last ("answered HTTP 503 ... after 3 tries in
-    7.1 s"). Another 4xx (not there, gated, private) is a MarlhfError when missing_is_error, else None."""
+_LOOKED_UP = {"model": ("config.json", "a local directory"), "dataset": ("README.md", "a local .jsonl/.parquet file")}
+
+
+def hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool, repo_type: str = "model",
+               revision: str | None = None) -> str | None:
+    """HEAD of a model repo's config.json (a dataset repo's README.md) at `revision`, retried on 408/429/5xx,
+    timeouts and dropped connections within timeout_s seconds in all: None when the Hub answered, else what it did
+    last ("answered HTTP 503 ... after 3 tries in 7.1 s"). Another 4xx (not there, gated, private) is a MarlhfError
+    when missing_is_error, else None."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError
 
@@ -130,20 +135,21 @@ def _hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool) -> str |
     while True:
         tries += 1
         try:
-            # the URL hf_hub_download asks first (from HF_ENDPOINT), with what is left of the time
-            get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=max(deadline - time.monotonic(), 1e-3))
+            # a file URL of the repo (from HF_ENDPOINT), with what is left of the time
+            url = hf_hub_url(repo_id, _LOOKED_UP[repo_type][0], repo_type=repo_type, revision=revision)
+            get_hf_file_metadata(url, timeout=max(deadline - time.monotonic(), 1e-3))
             return None
         except RemoteEntryNotFoundError:
-            return None  # the repo is there without a config.json: from_pretrained says what it lacks
+            return None  # the repo is there without that file: from_pretrained or load_dataset says what it lacks
         except HfHubHTTPError as error:
             code = error.response.status_code
             status = f"answered HTTP {code} {error.response.reason_phrase}"
             if code not in (408, 429) and code < 500:  # not there, gated or private: asking again cannot help
                 if not missing_is_error:
                     return None
-                raise MarlhfError(f"model {repo_id!r} is not a local directory, and the Hub ({constants.ENDPOINT}) "
-                                  f"{status} for it: check the id (and HF_ENDPOINT), or for a gated or private "
-                                  "model log in (hf auth login) or set HF_TOKEN") from None
+                raise MarlhfError(f"{repo_type} {repo_id!r} is not {_LOOKED_UP[repo_type][1]}, and the Hub "
+                                  f"({constants.ENDPOINT}) {status} for it: check the id (and HF_ENDPOINT), or for a "
+                                  f"gated or private {repo_type} log in (hf auth login) or set HF_TOKEN") from None
         except Exception as error:  # noqa: BLE001 - the HTTP client's network errors: classified by their cause
             cause = _root_cause(error)
             status = f"failed ({cause or error})"

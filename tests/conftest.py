@@ -4,9 +4,13 @@
     tiny_model_dir          directory with a tiny Llama causal LM + tokenizer: from_pretrained(path) works
     make_tiny_causal_lm()   a fresh tiny LlamaForCausalLM (seeded) matching tiny_tokenizer
     tiny_records            small in-memory records for the "sft", "rm" stages
+    fake_hub                a Hub on 127.0.0.1 answering each HEAD with `fake_hub.status` (None: hangs), online
 """
 
 from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -104,3 +108,39 @@ def demo_run(tmp_path_factory):
     with contextlib.redirect_stdout(printed):
         summary = run_demo(DemoConfig.quick(out=str(out), terminations=DEMO_TERMINATIONS, methods=DEMO_BASELINES))
     return out, summary, printed.getvalue()
+
+
+class FakeHubHandler(BaseHTTPRequestHandler):
+    """HEAD of a Hub file: answers `server.status`, or hangs until the test ends when it is None."""
+
+    def do_HEAD(self):
+        self.server.requests.append(self.path)
+        if self.server.status is None:
+            self.server.release.wait(60)
+        else:
+            self.send_response(self.server.status)
+            self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A Hub on 127.0.0.1 (ENDPOINT and the file URL template that hf_hub_url reads), online, an empty cache and a
+    2 s MARLHF_HUB_TIMEOUT."""
+    import huggingface_hub.constants as hub
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHubHandler)
+    server.daemon_threads, server.requests, server.status, server.release = True, [], 200, threading.Event()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(hub, "ENDPOINT", endpoint)
+    monkeypatch.setattr(hub, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MARLHF_HUB_TIMEOUT", "2")
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()

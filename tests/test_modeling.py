@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -77,42 +75,6 @@ def test_pad_token_falls_back_to_eos(tmp_path, tiny_tokenizer):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(str(tmp_path))
     assert tokenizer.pad_token == "</s>"
-
-
-class FakeHubHandler(BaseHTTPRequestHandler):
-    """HEAD of a Hub file: answers `server.status`, or hangs until the test ends when it is None."""
-
-    def do_HEAD(self):
-        self.server.requests.append(self.path)
-        if self.server.status is None:
-            self.server.release.wait(60)
-        else:
-            self.send_response(self.server.status)
-            self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def fake_hub(monkeypatch, tmp_path):
-    """A Hub on 127.0.0.1 (ENDPOINT and the file URL template that hf_hub_url reads), online, an empty cache and a
-    2 s MARLHF_HUB_TIMEOUT."""
-    import huggingface_hub.constants as hub
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHubHandler)
-    server.daemon_threads, server.requests, server.status, server.release = True, [], 200, threading.Event()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setattr(hub, "ENDPOINT", endpoint)
-    monkeypatch.setattr(hub, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("MARLHF_HUB_TIMEOUT", "2")
-    yield server
-    server.release.set()
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.mark.parametrize("status, expected", [(503, r"answered HTTP 503 Service Unavailable after \d+ tries in"),

@@ -1,6 +1,7 @@
 """`load_records`: the one entry point from a dataset name to a list of stage records.
 
-``datasets.load_dataset`` (in `load_hub_split`) is the only place that touches the network.
+``datasets.load_dataset`` (in `load_hub_split`) is the only place that touches the network, after a lookup of the
+dataset on the Hub bounded by MARLHF_HUB_TIMEOUT (`marlhf.modeling.hub_lookup`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import functools
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any, Iterable
 
 from tqdm import tqdm
@@ -17,6 +19,7 @@ from tqdm import tqdm
 from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows
 from marlhf.data.splits import split_indices
 from marlhf.data.tasks import TASKS, TASKS_BY_HUB_ID, WEBGPT_TIES, SkipRow, Task, webgpt_to_record
+from marlhf.errors import MarlhfError
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +43,67 @@ def resolve_task(dataset: str, task: str | None) -> Task | None:
 def load_hub_split(task: Task, split: str) -> Any:
     """One split of a task's Hub dataset, as a ``datasets.Dataset`` (downloads on first use, then cached),
     with the row count the paper's data has: a partial Parquet export (a bot maintains it) or a wrong
-    ``data_dir`` (APPS without ``all`` doubles its rows) stops here instead of training on other data."""
+    ``data_dir`` (APPS without ``all`` doubles its rows) stops here instead of training on other data.
+    ``load_dataset`` has no total time limit, so the Hub is asked first (`offline_unless_the_hub_answers`); when it
+    does not answer, the split comes from the local cache, or the error names the dataset, the Hub and its last
+    answer."""
     import datasets
 
+    unanswered = offline_unless_the_hub_answers(task)
     try:
         rows = datasets.load_dataset(task.hub_id, split=split, **task.hub_kwargs)
     except (ConnectionError, FileNotFoundError, ValueError) as error:
         if not datasets.config.HF_HUB_OFFLINE:
             raise
-        rows = load_hub_cache_split(task, split, error)
+        try:
+            rows = load_hub_cache_split(task, split, error)
+        except ConnectionError as not_cached:
+            if unanswered is None:
+                raise
+            from huggingface_hub import constants
+
+            from marlhf.modeling import HUB_TIMEOUT_VARIABLE, hub_timeout
+
+            datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = False  # as it was: only a cache hit stays
+            raise MarlhfError(
+                f"{task.hub_id} ({_described(task)}) split {split!r} is not in the local Hugging Face cache, and the "
+                f"Hub ({constants.ENDPOINT}) is unreachable: it {unanswered}; load it once where there is a network "
+                f"with the same HF_HOME, pass a local .jsonl/.parquet file of its rows with --dataset_task "
+                f"{task.name}, or raise {HUB_TIMEOUT_VARIABLE} (now {hub_timeout():g} s)") from not_cached
     expected = task.expected_rows.get(split)
     if expected is not None and len(rows) != expected:
-        where = ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
-        raise ValueError(f"{task.hub_id} ({where}) split {split!r} has {len(rows)} rows, the paper's data has "
-                         f"{expected}: a partial or changed Parquet export, or another data_dir")
+        raise ValueError(f"{task.hub_id} ({_described(task)}) split {split!r} has {len(rows)} rows, the paper's data "
+                         f"has {expected}: a partial or changed Parquet export, or another data_dir")
     return rows
+
+
+def offline_unless_the_hub_answers(task: Task) -> str | None:
+    """Online, the task's dataset looked up on the Hub within MARLHF_HUB_TIMEOUT seconds (`hub_lookup`, an id the
+    Hub does not have being a MarlhfError): None when it answered or this process is offline already; else what the
+    Hub did last, and this process now works offline (as HF_HUB_OFFLINE=1 would) so that ``load_dataset`` reads the
+    local cache instead of waiting for the Hub once per request. Offline, both libraries' switches are set."""
+    import datasets
+    from huggingface_hub import constants
+
+    from marlhf.modeling import hub_lookup, hub_timeout
+
+    if Path(task.hub_id).is_dir():  # a local copy of the repo, which load_dataset reads as it is
+        return None
+    if datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE:  # set, or the model check found the Hub down
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True  # both libraries read the same cache
+        return None
+    unanswered = hub_lookup(task.hub_id, hub_timeout(), missing_is_error=True, repo_type="dataset",
+                            revision=task.hub_kwargs.get("revision"))
+    if unanswered is not None:
+        logger.warning("the Hub (%s) %s: reading %s from the local cache, this process works offline "
+                       "(HF_HUB_OFFLINE=1 does so from the start)", constants.ENDPOINT, unanswered, task.hub_id)
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True  # what datasets and huggingface_hub read
+    return unanswered
+
+
+def _described(task: Task) -> str:
+    """The task's load_dataset arguments, "revision='refs/convert/parquet', data_dir='comparisons'"."""
+    return ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
 
 
 def load_hub_cache_split(task: Task, split: str, error: Exception) -> Any:
@@ -73,12 +122,11 @@ def load_hub_cache_split(task: Task, split: str, error: Exception) -> Any:
         folder = snapshot_download(task.hub_id, repo_type="dataset", revision=revision, local_files_only=True)
         return datasets.load_dataset(folder, split=split, **kwargs)
     except Exception as cache_error:  # noqa: BLE001 - any failure here means: not in the local cache
-        where = ", ".join(f"{key}={value!r}" for key, value in task.hub_kwargs.items()) or "default revision"
         raise ConnectionError(
-            f"{task.hub_id} ({where}) split {split!r} is not in the local Hugging Face cache and offline mode is on "
-            f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): load it once online with the same HF_HOME (or HF_HUB_CACHE "
-            f"and HF_DATASETS_CACHE), or pass a local .jsonl/.parquet file of its rows with --dataset_task "
-            f"{task.name}. datasets: {error}; hub cache: {cache_error}"
+            f"{task.hub_id} ({_described(task)}) split {split!r} is not in the local Hugging Face cache and offline "
+            f"mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): load it once online with the same HF_HOME (or "
+            f"HF_HUB_CACHE and HF_DATASETS_CACHE), or pass a local .jsonl/.parquet file of its rows with "
+            f"--dataset_task {task.name}. datasets: {error}; hub cache: {cache_error}"
         ) from error
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -201,7 +202,10 @@ def test_a_file_without_usable_rows_raises(tmp_path):
 )
 def test_hub_id_reads_the_right_split_and_matches_the_local_raw_file(monkeypatch, task, stage, split):
     import datasets
+    import huggingface_hub.constants
 
+    for module in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)  # offline: the Hub is not looked up first
     calls = []
 
     def fake_load_dataset(path, **kwargs):
@@ -378,3 +382,66 @@ def test_hub_id_with_data_dir_loads_offline_from_the_hub_cache_parquet_export(tm
         datasets.load_dataset(task.hub_id, split="train", **task.hub_kwargs)
     for stage in ("sft", "rm", "eval"):
         assert load_records(task.hub_id, stage) == load_records(raw_path("tldr"), stage, task="tldr"), stage
+
+
+# --- Hub ids online: the Hub is asked within MARLHF_HUB_TIMEOUT, load_dataset has no total time limit ---------
+
+@pytest.fixture
+def online_hub(offline_caches, fake_hub, monkeypatch):
+    """offline_caches' empty caches with both libraries online, at the Hub on 127.0.0.1 (tests/conftest.py)."""
+    import datasets
+    import huggingface_hub.constants
+
+    hub, _ = offline_caches
+    for module, name, value in [(datasets.config, "HF_HUB_OFFLINE", False),
+                                (datasets.config, "HF_ENDPOINT", huggingface_hub.constants.ENDPOINT),
+                                (huggingface_hub.constants, "HF_HUB_OFFLINE", False),
+                                (huggingface_hub.constants, "HF_HUB_CACHE", str(hub))]:
+        monkeypatch.setattr(module, name, value)
+    return fake_hub
+
+
+@pytest.mark.parametrize("status, expected", [(503, r"answered HTTP 503 Service Unavailable after \d+ tries in"),
+                                              (None, r"failed \(timed out\) after 1 try in 2\.\d s")])
+def test_a_hub_dataset_the_hub_does_not_serve_is_given_up_within_the_limit(online_hub, status, expected):
+    import datasets
+
+    from marlhf.errors import MarlhfError
+
+    online_hub.status = status
+    started = time.monotonic()
+    with pytest.raises(MarlhfError, match=rf"^Dahoas/full-hh-rlhf \(default revision\) split 'train' is not in the "
+                                          rf"local Hugging Face cache, and the Hub \(http://127.0.0.1:\d+\) is "
+                                          rf"unreachable: it {expected}.*--dataset_task hh, or raise "
+                                          rf"MARLHF_HUB_TIMEOUT \(now 2 s\)$"):
+        load_records("Dahoas/full-hh-rlhf", "rl")
+    assert time.monotonic() - started < 10  # behaviour, not a benchmark: load_dataset alone has no total limit
+    assert set(online_hub.requests) == {"/datasets/Dahoas/full-hh-rlhf/resolve/main/README.md"}
+    assert datasets.config.HF_HUB_OFFLINE is False  # a miss leaves the process online
+
+
+def test_a_cached_hub_dataset_loads_offline_when_the_hub_hangs(online_hub, offline_caches, monkeypatch, tmp_path):
+    import datasets
+
+    from tests.hub_cache import put_in_datasets_cache
+
+    rows = read_rows(raw_path("hh"))
+    fixture_sized(monkeypatch, "hh", ("train", "test"))
+    put_in_datasets_cache(offline_caches[1], "Dahoas/full-hh-rlhf", {"train": rows, "test": rows}, tmp_path)
+    online_hub.status = None
+    assert load_records("Dahoas/full-hh-rlhf", "rl") == load_records(raw_path("hh"), "rl", task="hh")
+    assert datasets.config.HF_HUB_OFFLINE  # the next load reads the cache without asking the Hub again
+    load_records("Dahoas/full-hh-rlhf", "eval")
+    assert len(online_hub.requests) == 1
+
+
+def test_a_hub_dataset_the_hub_does_not_have_is_one_line_at_once(online_hub):
+    from marlhf.errors import MarlhfError
+
+    online_hub.status = 404
+    with pytest.raises(MarlhfError, match=r"dataset 'openai/summarize_from_feedback' is not a local .jsonl/.parquet "
+                                          r"file, and the Hub \(http://127.0.0.1:\d+\) answered HTTP 404 Not Found "
+                                          r"for it: check the id"):
+        load_records("openai/summarize_from_feedback", "rl")
+    # the dataset's URL at the revision its task loads, asked once (not there: asking again cannot help)
+    assert online_hub.requests == ["/datasets/openai/summarize_from_feedback/resolve/refs%2Fconvert%2Fparquet/README.md"]
