@@ -36,7 +36,7 @@ from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
 from marlhf.cli import quiet_libraries
 from marlhf.modeling import pad_sequences
-from marlhf.rollout import generate_responses
+from marlhf.engines.hf import generate_responses
 
 VLLM = ("vllm engine", "vllm's")
 OPTIONS = [("row_generators", "dynamic"), ("row_generators", "static"), ("row_generators", "static_compiled"),

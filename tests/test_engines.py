@@ -1,4 +1,5 @@
-"""The rollout-engine seam: PPO samples only through `sync_weights` + `generate`, so an engine is one class."""
+"""The rollout-engine seam: PPO samples only through `sync_weights` + `generate` and closes the engine when training
+ends (also on an error), so an engine is one class."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class CountingEngine(HFEngine):
 
     def __init__(self, context=None) -> None:
         super().__init__(context)
-        self.synced, self.calls = [], []
+        self.synced, self.calls, self.closed = [], [], 0
         CountingEngine.instances.append(self)
 
     def sync_weights(self, policy):
@@ -30,6 +31,10 @@ class CountingEngine(HFEngine):
     def generate(self, query_ids, query_mask, **sampling):
         self.calls.append(sampling)
         return super().generate(query_ids, query_mask, **sampling)
+
+    def close(self):
+        self.closed += 1
+        super().close()
 
 
 def test_ppo_samples_through_the_engine_and_a_registered_engine_trains_alike(tmp_path, make_tiny_causal_lm,
@@ -43,7 +48,7 @@ def test_ppo_samples_through_the_engine_and_a_registered_engine_trains_alike(tmp
     finally:
         ENGINES.pop("counting")
     (engine,) = CountingEngine.instances
-    assert len(engine.calls) == len(engine.synced) == 2 and len(set(engine.synced)) == 1
+    assert len(engine.calls) == len(engine.synced) == 2 and len(set(engine.synced)) == 1 and engine.closed == 1
     assert all(len(call["row_seeds"]) == config.rollout_size and call["temperature"] == config.temperature
                for call in engine.calls)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
@@ -64,6 +69,12 @@ def test_engine_errors():
 class NoLogprobsEngine(HFEngine):
     """An engine that ignores `return_logprobs`."""
 
+    closed = 0
+
+    def close(self):
+        NoLogprobsEngine.closed += 1
+        super().close()
+
     def generate(self, query_ids, query_mask, **sampling):
         generation = super().generate(query_ids, query_mask, **sampling)
         assert isinstance(generation, Generation) and (generation.logprobs is not None) == sampling["return_logprobs"]
@@ -79,3 +90,4 @@ def test_sampling_logprobs_missing_from_the_engine_is_an_error_not_a_silent_reco
             train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
     finally:
         ENGINES.pop("no_logprobs")
+    assert NoLogprobsEngine.closed == 1  # closed on the error too

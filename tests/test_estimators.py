@@ -21,7 +21,7 @@ def _batch(**options) -> AdvantageBatch:
     values = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     config = PPOConfig(**options)
     return AdvantageBatch(rewards, values, mask, fixed_ngram(mask, config.ngram), config.plugin_options("advantage"),
-                          config=config)
+                          config.num_samples_per_prompt, config.value_weighting)
 
 
 def test_builtins_are_the_core_functions():

@@ -8,8 +8,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Te
                           TopPLogitsWarper)
 
 from marlhf.modeling import ScalarHeadModel, pad_sequences
-from marlhf.rollout import (CounterGumbelNoise, RowGumbelNoise, counter_uniforms, decode_responses, forward_in_chunks,
-                            generate_responses, length_sorted_chunks, mix32, response_logprobs, response_mask_from_ids,
+from marlhf.engines.base import response_mask_from_ids
+from marlhf.engines.hf import CounterGumbelNoise, RowGumbelNoise, counter_uniforms, generate_responses, mix32
+from marlhf.rollout import (decode_responses, forward_in_chunks, length_sorted_chunks, response_logprobs,
                             response_values, row_lengths, score_responses, trim_padding)
 
 PAD, EOS = 0, 2

@@ -28,7 +28,7 @@ def _batch(tokenizer, texts: list[str], **options) -> SegmentationBatch:
     mask = torch.arange(width)[None, :] < torch.tensor([len(e) for e in encoded])[:, None]
     config = PPOConfig(**options)
     return SegmentationBatch(ids, mask, torch.zeros(mask.shape), tokenizer, config.plugin_options("termination"),
-                             seed=0, config=config)
+                             seed=0)
 
 
 def test_builtin_rules_are_registered_and_unknown_names_are_refused():

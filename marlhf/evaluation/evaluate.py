@@ -33,7 +33,8 @@ from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
 from marlhf.modeling import pad_sequences
-from marlhf.rollout import decode_responses, generate_responses
+from marlhf.engines.hf import generate_responses
+from marlhf.rollout import decode_responses
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 

@@ -50,6 +50,7 @@ backward and steps once per mini-batch (marlhf.trainers.common.backward, optimiz
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -60,7 +61,7 @@ from tqdm.auto import tqdm
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, whiten
 from marlhf.data.records import prompt_records, require_fields
-from marlhf.engines import EngineContext, make_engine
+from marlhf.engines import EngineContext, RolloutEngine, make_engine
 from marlhf.estimators import AdvantageBatch
 from marlhf.kl_control import AdaptiveKLController
 from marlhf.logging_utils import reduce_metrics
@@ -97,7 +98,7 @@ class PPORun:
     ref: Any
     reward_model: ScalarHeadModel | None
     reward_fn: RewardFn | None
-    engine: Any
+    engine: RolloutEngine
     updaters: list  # (model, optimizer, scheduler, finite-update guard) of the policy, then the critic
     prompt_records: list[dict[str, Any]]
     prompt_ids: list[list[int]]
@@ -190,7 +191,7 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
     rule, options = run.plugins["termination"]
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, options,
                               seed=_seed(config.seed, step), gather_rows=lambda x: gather_rows(accelerator, x),
-                              own_rows=lambda x: own_rows(accelerator, x, like=mask), config=config)
+                              own_rows=lambda x: own_rows(accelerator, x, like=mask))
     segment_ids, stats = segment(rule, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
@@ -200,13 +201,13 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
 def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
     """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked. Batch statistics
     (baselines, whitening) are taken over the rows of all processes."""
-    accelerator, mask = run.accelerator, experience.response_mask
+    config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     estimator, options = run.plugins["advantage"]
     advantages, returns = estimator.obj(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, options,
-        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
-        config=run.config))
-    if run.config.whiten_advantages:
+        num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
+        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask)))
+    if config.whiten_advantages:
         all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
         advantages = own_rows(accelerator, all_advantages, like=mask)
     return dataclasses.replace(experience, advantages=advantages, returns=returns)
@@ -277,7 +278,7 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
             loss, loss_stats = policy_loss.obj(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                                piece.segment_ids, config.loss_agg_mode, num_slots,
-                                                               options, config, piece.rollout_logprobs))
+                                                               options, piece.rollout_logprobs))
             backward(accelerator, policy, loss * weight, is_last)
         stats = {"loss/policy": loss.detach(),
                  **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean")
@@ -352,53 +353,55 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
     # the models load and before anything is written to output_dir.
     plugins = {option: (config.plugin(option), config.plugin_options(option)) for option in PLUGINS}
-    engine = make_engine(config.rollout_engine, EngineContext(config, accelerator, plugins["rollout_engine"][1]))
-    records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
-    require_fields(records, ("prompt",), "rl")
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
-    models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
-                          reward_model=reward_model, reward_fn=reward_fn)
-    kept_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
-    # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
-    plan = BatchPlan(len(prompt_ids), config, accelerator, accumulation=1)
-    piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
-    prepared, optimizers, schedulers, updaters = prepare_training(config, accelerator, models, plan, piece_size)
-    kl_control = None
-    if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
-        kl_control = schedulers["kl_coef"] = AdaptiveKLController(
-            config.kl_coef, config.kl_target, config.kl_horizon, config.rollout_size * accelerator.num_processes)
-    start_step, logger = start_run(config, accelerator, prepared, optimizers, schedulers)
-    policy = prepared["policy"]
-    eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
-    run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
-                 models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
-                 eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
+    engine = make_engine(config.rollout_engine,
+                         EngineContext(accelerator, plugins["rollout_engine"][1], max_length=config.max_length))
+    with contextlib.closing(engine):  # when training ends, also on an error: an engine may hold a model and memory
+        records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
+        require_fields(records, ("prompt",), "rl")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
+        models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
+                              reward_model=reward_model, reward_fn=reward_fn)
+        kept_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
+        # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
+        plan = BatchPlan(len(prompt_ids), config, accelerator, accumulation=1)
+        piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
+        prepared, optimizers, schedulers, updaters = prepare_training(config, accelerator, models, plan, piece_size)
+        kl_control = None
+        if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
+            kl_control = schedulers["kl_coef"] = AdaptiveKLController(
+                config.kl_coef, config.kl_target, config.kl_horizon, config.rollout_size * accelerator.num_processes)
+        start_step, logger = start_run(config, accelerator, prepared, optimizers, schedulers)
+        policy = prepared["policy"]
+        eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
+        run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
+                     models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
+                     eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
 
-    # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-    with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
-              disable=not accelerator.is_local_main_process) as progress:
-        for step in progress:
-            clock = {"start": device_clock(accelerator.device)}
-            experience = make_experience(run, step, clock)  # 1. sample and score
-            experience = per_token_rewards(run, experience)  # 2.
-            experience = macro_actions(run, experience, step)  # 3.
-            experience = estimate_advantages(run, experience)  # 4.
-            update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
-            if kl_control is not None:
-                adapt_kl_coef(run, experience)
-            clock["update"] = device_clock(accelerator.device)
+        # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
+        with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
+                  disable=not accelerator.is_local_main_process) as progress:
+            for step in progress:
+                clock = {"start": device_clock(accelerator.device)}
+                experience = make_experience(run, step, clock)  # 1. sample and score
+                experience = per_token_rewards(run, experience)  # 2.
+                experience = macro_actions(run, experience, step)  # 3.
+                experience = estimate_advantages(run, experience)  # 4.
+                update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
+                if kl_control is not None:
+                    adapt_kl_coef(run, experience)
+                clock["update"] = device_clock(accelerator.device)
 
-            done = step + 1  # 6. metrics and checkpoint
-            if done % config.logging_steps == 0 or done == plan.total_steps:
-                metrics = step_metrics(run, experience, update_stats, clock)
-                logger.log(metrics, done)
-                postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
-                if "objective/kl" in metrics:
-                    postfix["kl"] = f"{metrics['objective/kl']:.3f}"
-                progress.set_postfix(**postfix)
-            maybe_save_checkpoint(config, done, accelerator, prepared, optimizers, schedulers, tokenizer)
+                done = step + 1  # 6. metrics and checkpoint
+                if done % config.logging_steps == 0 or done == plan.total_steps:
+                    metrics = step_metrics(run, experience, update_stats, clock)
+                    logger.log(metrics, done)
+                    postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
+                    if "objective/kl" in metrics:
+                        postfix["kl"] = f"{metrics['objective/kl']:.3f}"
+                    progress.set_postfix(**postfix)
+                maybe_save_checkpoint(config, done, accelerator, prepared, optimizers, schedulers, tokenizer)
 
     logger.close()
     trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine

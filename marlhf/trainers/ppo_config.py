@@ -14,7 +14,7 @@ from marlhf.imports import import_function
 from marlhf.kl_control import AdaptiveKLController
 from marlhf.losses import LossAggregation, RatioGranularity, SegmentWeighting, check_loss_options
 from marlhf.parsing import ParsingLanguage
-from marlhf.rollout import KVCache, SamplingNoise
+from marlhf.engines.hf import KVCache, SamplingNoise
 from marlhf.plugins import Plugin, Registry
 
 __all__ = ["PPOConfig", "PLUGINS", "import_named_plugins"]

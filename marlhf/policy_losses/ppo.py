@@ -1,0 +1,34 @@
+"""`ppo`: the clipped surrogate of :func:`marlhf.losses.policy_loss`, one joint ratio per macro action (or per
+token), optionally weighted by truncated importance sampling against the engine's own log-probs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from marlhf.losses import RatioGranularity, SegmentWeighting, loss_units, policy_loss
+from marlhf.policy_losses.base import PolicyLossBatch, register_policy_loss
+
+
+# PPOConfig's flat options of the same names (marlhf.plugins).
+@dataclasses.dataclass(frozen=True)
+class ClippedOptions:
+    clip_range: float = 0.2
+    ratio_granularity: RatioGranularity = "macro"
+    segment_weighting: SegmentWeighting = "tokens"
+    tis_cap: float | None = None
+
+
+def clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: ClippedOptions,
+                  loss_agg_mode: str) -> torch.Tensor:
+    """What the loss is a mean over: tokens, or macro actions weighted by `segment_weighting` (marlhf.losses)."""
+    return loss_units(mask, segment_ids, options.segment_weighting, loss_agg_mode)
+
+
+@register_policy_loss("ppo", options=ClippedOptions, units=clipped_units)
+def clipped(batch: PolicyLossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    o = batch.options
+    return policy_loss(batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.segment_ids,
+                       o.clip_range, o.ratio_granularity, o.segment_weighting, batch.loss_agg_mode, batch.num_slots,
+                       batch.rollout_logprobs, o.tis_cap)
