@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import yaml
 
+from marlhf.data.tasks import get_task
 from marlhf.errors import MarlhfError, did_you_mean
 from marlhf.logging_utils import check_report_to
 
@@ -397,8 +398,10 @@ class TrainingConfig(RunConfig):
 
     model_name_or_path: str = option("google/gemma-2b", "Hugging Face model id or local path to start from")
     dataset: str | None = option(None, "dataset id or local .jsonl/.parquet path (CLI; see marlhf.data.load_records)")
-    dataset_task: Literal["tldr", "hh", "webgpt", "apps"] | None = option(
-        None, "a local dataset file holds raw rows of this task's Hub schema (none: rows already in the stage schema)")
+    dataset_task: str | None = option(
+        None, "a local dataset file holds raw rows of this task's Hub schema: tldr, hh, webgpt, apps, another task "
+              "registered with marlhf.data.tasks.register_task, or a dotted path package.module:TASK (none: rows "
+              "already in the stage schema)")
     max_samples: int | None = option(None, "use at most N records of the dataset (none: all)", ge=1)
     webgpt_ties: Literal["answer_0", "skip"] = option(
         "answer_0", "WebGPT comparisons scored as ties: kept with answer_0 preferred (the authors' code) or skipped "
@@ -434,5 +437,7 @@ class TrainingConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.dataset_task is not None:
+            get_task(self.dataset_task)  # an unknown name or a path that does not import stops here
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be < max_length ({self.max_length})")

@@ -4,6 +4,9 @@ options, chosen by dotted path from Python, YAML and the command line (marlhf.pl
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
+import sys
 
 import pytest
 
@@ -97,3 +100,139 @@ def test_registry_rules_and_help():
         "ppo"].format_help()
     assert "fixed (ngram=5)" in usage and "gae (gamma=1.0" in usage and "ppo (clip_range=0.2" in usage
 
+
+
+# A user's package of plug-ins, one file per kind and a dataset, written outside marlhf and named by dotted path.
+USER_PACKAGE = {
+    "rule.py": '''
+import dataclasses
+
+from marlhf.segments import fixed_ngram
+from marlhf.termination import register_termination
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    size: int = 2
+
+
+@register_termination("user_pairs", options=Pairs, reads_reference=False)
+def pairs(batch):
+    return fixed_ngram(batch.response_mask, batch.options.size), {"pair_size": float(batch.options.size)}
+''',
+    "estimator.py": '''
+import torch
+
+from marlhf.estimators import register_estimator
+
+SEEN = []
+
+
+@register_estimator("user_group_mean", needs_critic=False, min_samples_per_prompt=2)
+def group_mean(batch):
+    """Each response's summed reward minus its group's mean (the group size comes with the batch)."""
+    SEEN.append((batch.num_samples_per_prompt, batch.value_weighting))
+    groups = batch.gather_rows(batch.rewards.sum(dim=1)).view(-1, batch.num_samples_per_prompt)
+    advantages = (groups - groups.mean(dim=1, keepdim=True)).flatten()
+    return torch.where(batch.mask, batch.own_rows(advantages)[:, None], 0.0), None
+''',
+    "loss.py": '''
+import dataclasses
+
+from marlhf.losses import policy_loss
+from marlhf.policy_losses import register_policy_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    factor: float = 1.0
+
+
+@register_policy_loss("user_scaled", options=Scale)
+def scaled(batch):
+    loss, stats = policy_loss(batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.segment_ids,
+                              0.2, loss_agg_mode=batch.loss_agg_mode, num_slots=batch.num_slots)
+    return batch.options.factor * loss, stats
+''',
+    "engine.py": '''
+from marlhf.engines import Generation, register_engine
+from marlhf.engines.hf import generate_responses
+
+EVENTS = []
+
+
+@register_engine("user_engine")
+class CounterHashEngine:
+    """transformers' generate with the counter-hash noise, written against the engine protocol alone."""
+
+    def __init__(self, context):
+        self.policy, self.max_length = None, context.max_length
+
+    def sync_weights(self, policy):
+        self.policy = policy
+        EVENTS.append("sync")
+
+    def generate(self, query_ids, query_mask, **sampling):
+        EVENTS.append("generate")
+        return Generation(*generate_responses(self.policy, query_ids, query_mask, sampling_noise="counter_hash",
+                                              **sampling))
+
+    def close(self):
+        EVENTS.append("close")
+''',
+    "data.py": '''
+from marlhf.data.tasks import Task, register_task, text_field
+
+
+def to_record(row, stage):
+    return {"prompt": f"Human: say something about {text_field(row.get('topic'), 'topic')}\\n\\nAssistant:"}
+
+
+TASK = register_task(Task(name="user_topics", hub_id="", hub_kwargs={}, train_split="train", eval_split="test",
+                          stage_fractions={"rl": 1.0}, to_record=to_record))
+''',
+}
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """The package `user_plugins` on sys.path; afterwards its modules and what they registered are gone."""
+    from marlhf.data.tasks import TASKS
+    from marlhf.trainers.ppo_config import PLUGINS
+
+    package = tmp_path / "user_plugins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, text in USER_PACKAGE.items():
+        (package / name).write_text(text.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_plugins"
+    for registry in PLUGINS.values():
+        for name in [n for n in registry.names() if n.startswith("user_")]:
+            registry.plugins.pop(name)
+    TASKS.pop("user_topics", None)
+    for module in [m for m in sys.modules if m == "user_plugins" or m.startswith("user_plugins.")]:
+        del sys.modules[module]
+
+
+def test_a_package_of_plugins_and_a_dataset_trains_by_dotted_path(tmp_path, user_package, make_tiny_causal_lm,
+                                                                   tiny_tokenizer):
+    """A termination rule, an estimator, a policy loss, an engine and a dataset, one file each outside marlhf, chosen
+    by dotted path with their options: two PPO steps on the dataset's records, and the engine closed at the end."""
+    topics = tmp_path / "topics.jsonl"
+    topics.write_text("".join(json.dumps({"topic": topic}) + "\n" for topic in ("cats", "dogs", "bread", "rain")))
+    config = _config(tmp_path, max_steps=2, per_device_batch_size=2, num_samples_per_prompt=2, mini_batch_size=4,
+                     kl_coef=0.0, dataset=str(topics), dataset_task=f"{user_package}.data:TASK",
+                     termination=f"{user_package}.rule:pairs", termination_options={"size": 3},
+                     advantage=f"{user_package}.estimator:group_mean",
+                     policy_loss=f"{user_package}.loss:scaled", policy_loss_options={"factor": 0.5},
+                     rollout_engine=f"{user_package}.engine:CounterHashEngine")
+    assert not config.uses_critic and not config.uses_reference
+    train_ppo(config, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+
+    package = importlib.import_module(user_package)
+    assert package.engine.EVENTS == ["sync", "generate"] * 2 + ["close"]
+    assert package.estimator.SEEN == [(2, config.value_weighting)] * 2
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["macro/pair_size"] for m in metrics] == [3.0, 3.0] and "loss/value" not in metrics[0]
+    assert all(m["macro/mean_segment_length"] > 1 for m in metrics)

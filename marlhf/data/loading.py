@@ -6,8 +6,6 @@ dataset on the Hub bounded by MARLHF_HUB_TIMEOUT (`marlhf.modeling.hub_lookup`).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import random
 from collections import Counter
@@ -18,24 +16,24 @@ from tqdm import tqdm
 
 from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows
 from marlhf.data.splits import split_indices
-from marlhf.data.tasks import TASKS, TASKS_BY_HUB_ID, WEBGPT_TIES, SkipRow, Task, webgpt_to_record
+from marlhf.data.tasks import TASKS_BY_HUB_ID, SkipRow, Task, check_record_options, get_task
 from marlhf.errors import MarlhfError
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_task(dataset: str, task: str | None) -> Task | None:
-    """The task whose raw schema ``dataset`` is in: from ``task``, or from a Hub id; None for a processed local file."""
-    if task is not None and task not in TASKS:
-        raise ValueError(f"task must be one of {sorted(TASKS)} or None, got {task!r}")
+    """The task whose raw schema ``dataset`` is in: from ``task`` (a registered name or a dotted path, marlhf.data.
+    tasks), or from a Hub id; None for a processed local file."""
+    chosen = get_task(task) if task is not None else None
     if is_local_path(dataset):
-        return TASKS[task] if task is not None else None
+        return chosen
     if dataset not in TASKS_BY_HUB_ID:
         raise ValueError(
             f"dataset must be a local .jsonl/.parquet path or one of {sorted(TASKS_BY_HUB_ID)}, got {dataset!r}"
         )
     hub_task = TASKS_BY_HUB_ID[dataset]
-    if task is not None and task != hub_task.name:
+    if chosen is not None and chosen.name != hub_task.name:
         raise ValueError(f"task={task!r} does not match dataset {dataset!r} (task {hub_task.name!r})")
     return hub_task
 
@@ -213,9 +211,10 @@ def load_records(
       split (WebGPT: a seeded 5% of its only split, the other 95% being divided among the stages);
     - a local ``.jsonl``/``.parquet`` file with ``task=None``: rows already in the stage's schema (see
       `marlhf.data.records`), taken as they are; a missing or empty field raises ValueError;
-    - a local file with ``task`` in ("tldr", "hh", "webgpt", "apps"): rows in that task's raw Hub schema,
-      standing in for the Hub split the stage reads (the train split for sft/rm/rl, the evaluation split
-      for eval — for WebGPT the train split in both cases) and processed exactly like it.
+    - a local file with ``task`` a registered task ("tldr", "hh", "webgpt", "apps", or yours) or the dotted path
+      of one (marlhf.data.tasks): rows in that task's raw Hub schema, standing in for the Hub split the stage reads
+      (the train split for sft/rm/rl, the evaluation split for eval — for WebGPT the train split in both cases)
+      and processed exactly like it.
 
     Raw rows that cannot make a record are skipped and counted per reason in a logged warning.
     ``max_samples`` keeps a random subset drawn with ``seed`` (e.g. the paper's 2,000 evaluation prompts).
@@ -223,17 +222,16 @@ def load_records(
     authors' ``>=``) or are skipped by the stages that use the pair ("skip": SFT and reward modelling).
     """
     check_stage(stage)
-    if webgpt_ties not in WEBGPT_TIES:
-        raise ValueError(f"webgpt_ties must be one of {list(WEBGPT_TIES)}, got {webgpt_ties!r}")
+    record_options = {"webgpt_ties": webgpt_ties}  # each goes to the tasks that declare it (Task.record_options)
+    check_record_options(record_options)
     resolved = resolve_task(dataset, task)
-    if resolved is not None and resolved.name == "webgpt" and webgpt_ties != "answer_0":
-        resolved = dataclasses.replace(resolved, to_record=functools.partial(webgpt_to_record, ties=webgpt_ties))
     if resolved is None:
         records = read_rows(dataset)
         if not records:
             raise ValueError(f"dataset file {dataset!r} holds no records (it is empty or blank)")
         check_stage_records(records, stage, source=dataset)
         return subsample(records, max_samples, seed)
+    resolved = resolved.with_options(**record_options)
     if is_local_path(dataset):
         source, rows = dataset, read_rows(dataset)
     else:

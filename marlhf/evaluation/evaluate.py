@@ -28,12 +28,13 @@ from tqdm import tqdm
 from marlhf.config import ConfigBase, option
 from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, prompt_token_ids
 from marlhf.data.records import prompt_records
+from marlhf.data.tasks import get_task
 from marlhf.evaluation.judge import write_jsonl
 from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
-from marlhf.modeling import pad_sequences
 from marlhf.engines.hf import generate_responses
+from marlhf.modeling import pad_sequences
 from marlhf.rollout import decode_responses
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -48,8 +49,10 @@ class EvaluateConfig(ConfigBase):
         None, "more checkpoints to evaluate on the same prompts and compare with model_name_or_path")
     reward_model: str | None = option(None, "reward-model checkpoint (ScalarHeadModel) that scores the responses")
     dataset: str = option("openai/summarize_from_feedback", "dataset id or local .jsonl/.parquet path ('eval' records)")
-    dataset_task: Literal["tldr", "hh", "webgpt", "apps"] | None = option(
-        None, "a local dataset file holds raw rows of this task's Hub schema (none: rows already in the eval schema)")
+    dataset_task: str | None = option(
+        None, "a local dataset file holds raw rows of this task's Hub schema: tldr, hh, webgpt, apps, another task "
+              "registered with marlhf.data.tasks.register_task, or a dotted path package.module:TASK (none: rows "
+              "already in the eval schema)")
     num_samples: int | None = option(
         None, "evaluation prompts drawn with `seed` (none: the paper's, 2,000, or every APPS test problem)", ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("float32", "dtype to load the models in")
@@ -69,6 +72,8 @@ class EvaluateConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
+        if self.dataset_task is not None:
+            get_task(self.dataset_task)  # an unknown name or a path that does not import stops here
         if self.pass_at_k is not None:
             if max(self.pass_at_k) > self.samples_per_prompt:
                 raise ValueError(f"pass_at_k: every k must be <= samples_per_prompt ({self.samples_per_prompt}), "

@@ -12,14 +12,16 @@ import yaml
 from hypothesis import example, given, seed
 from hypothesis import strategies as st
 
+from marlhf.data.tasks import TASKS
 from marlhf.trainers.ppo_config import PLUGINS
 from tests.fuzz import SEED
 from tests.fuzz.harness import Example, check, config_classes, fuzz_settings
 from tests.fuzz.strategies import Bad, field_bound_violations, field_invalid_values, invalid_values
 
 CONFIGS = config_classes()
-# A str option that names a plug-in or a function accepts only those (or a dotted path that imports).
+# A str option that names a plug-in, a dataset task or a function accepts only those (or a dotted path that imports).
 NAMED = {**{kind: tuple(registry.names()) for kind, registry in PLUGINS.items()}, "reward_fns": ()}
+TASK_NAMES = tuple(TASKS)  # dataset_task, an option of every command that reads a dataset
 OPTIONS = [(command, name) for command, config in CONFIGS.items() for name in config.field_names()]
 PLUGIN_OPTIONS = [(kind, name, option.name) for kind, registry in PLUGINS.items() for name in registry.names()
                   if (plugin := registry.get(name)).options is not None
@@ -39,7 +41,7 @@ def _example(command: str, values: dict, flags: list[str], culprits: set[str]) -
 @pytest.mark.parametrize(("command", "name"), OPTIONS, ids=[f"{c}-{n}" for c, n in OPTIONS])
 def test_every_option_refuses_invalid_values(command, name, no_runs):
     config = CONFIGS[command]
-    choices = NAMED.get(name) if command == "ppo" else None
+    choices = TASK_NAMES if name == "dataset_task" else NAMED.get(name) if command == "ppo" else None
 
     @fuzz_settings(3)
     @seed(SEED)
