@@ -11,7 +11,7 @@ defaults, and PPO's). Exactness: each option's responses against those of the
 same noise with the dynamic cache (counter_hash samples other, equally distributed, tokens than row_generators).
 `--profile`: where one default generate call spends its time: the model's forward calls against the rest of
 `generate` (its Python loop, logits processors, stop checks), and the heaviest torch operators.
-`--engine vllm`: the vllm rollout engine (marlhf.engines_vllm; run in the vLLM venv, docs/vllm.md) against the hf
+`--engine vllm`: the vllm rollout engine (marlhf.engines.vllm; run in the vLLM venv, docs/vllm.md) against the hf
 engine's default on the same model and prompts, in alternating rounds; its LLM is built in the untimed first call
 (build time printed). The two draw other (equally distributed) tokens, so compare tokens/s: generated tokens
 (up to each row's EOS) per second at the median and at the best round (steadier on a busy machine).

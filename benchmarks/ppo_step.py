@@ -14,7 +14,7 @@ hidden x context per token), over its mean wall time, against the machine's floa
 the same run by a large GEMM (best of several). Padding tokens and non-matmul work count as overhead, as in
 the usual model-FLOPs utilisation.
 
-`--engine vllm`: the rollouts come from the vllm rollout engine (marlhf.engines_vllm; run in the vLLM venv,
+`--engine vllm`: the rollouts come from the vllm rollout engine (marlhf.engines.vllm; run in the vLLM venv,
 docs/vllm.md), synced with the policy after each update; its LLM is built in the first step's generation,
 which the warm-up drops. `--engine hf` (default): the hf engine.
 

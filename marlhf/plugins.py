@@ -1,5 +1,6 @@
 """One seam for every extension point of PPO: termination rules, advantage estimators, policy losses and rollout
-engines.
+engines, each kind a package (marlhf.termination, marlhf.estimators, marlhf.policy_losses, marlhf.engines) with its
+registry in `base.py` and one file per built-in.
 
 Each kind has a `Registry`. A plug-in is registered under a name with its traits (what the trainer must know
 about it, such as whether an estimator needs a critic) and, optionally, its own options as a small dataclass:
@@ -10,7 +11,7 @@ about it, such as whether an estimator needs a critic) and, optionally, its own 
 
     @register_termination("sentences", options=SentenceOptions, reads_reference=False)
     def sentences(batch):
-        ...  # batch.options.sentences; batch.config is the whole PPOConfig
+        ...  # batch.options.sentences; the batch holds what a rule may read, never the run's config
 
 It is chosen by its name, or by its dotted path `package.module:object` (importing the module registers it; an
 object that was never registered is a plug-in without options), with its options in a block:

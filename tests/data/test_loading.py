@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -445,3 +447,25 @@ def test_a_hub_dataset_the_hub_does_not_have_is_one_line_at_once(online_hub):
         load_records("openai/summarize_from_feedback", "rl")
     # the dataset's URL at the revision its task loads, asked once (not there: asking again cannot help)
     assert online_hub.requests == ["/datasets/openai/summarize_from_feedback/resolve/refs%2Fconvert%2Fparquet/README.md"]
+
+
+def test_a_dataset_from_the_plugin_guide_registers_and_loads(tmp_path):
+    """The guide's dataset (docs/plugins.md), run as written: registered by name, read from a local file of raw
+    rows through its `to_record`; unknown names and paths that are not a Task are one-line errors."""
+    from marlhf.data.tasks import get_task, register_task
+
+    guide = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "register_task" in block)
+    exec(code, {})
+    try:
+        path = tmp_path / "questions.jsonl"
+        path.write_text('{"question": "why?"}\n{"question": ""}\n{"question": "how?"}\n')
+        assert load_records(str(path), "rl", task="questions") == [{"prompt": "Q: why?\nA:"}, {"prompt": "Q: how?\nA:"}]
+        with pytest.raises(ValueError, match="already registered"):
+            register_task(dataclasses.replace(TASKS["questions"], stage_fractions={"rl": 0.5, "sft": 0.5}))
+    finally:
+        TASKS.pop("questions")
+    with pytest.raises(ValueError, match=r"dataset_task must be one of .* got 'tldrr' \(did you mean 'tldr'\?\)"):
+        get_task("tldrr")
+    with pytest.raises(ValueError, match="dataset_task 'marlhf.data:load_records' is not a marlhf.data.tasks.Task"):
+        get_task("marlhf.data:load_records")
