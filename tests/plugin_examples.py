@@ -1,5 +1,6 @@
 """A user's plug-ins, one of each kind with options of its own, named by dotted path in tests/test_plugins.py
-(importing this module registers them)."""
+(importing this module registers them). Each reads only its batch (or context): the facts it declares, never the
+run's config."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Shifted:
 
 @register_estimator("shifted_reinforce", needs_critic=False, options=Shifted)
 def shifted_reinforce(batch):
-    CALLS["estimator"].append(batch.options)
+    CALLS["estimator"].append((batch.options, batch.num_samples_per_prompt))
     totals = batch.gather_rows(batch.rewards.sum(dim=1)) - batch.options.shift
     return torch.where(batch.mask, batch.own_rows(totals)[:, None], 0.0), None
 
@@ -65,4 +66,4 @@ class TaggedEngine(HFEngine):
 
     def __init__(self, context) -> None:
         super().__init__(None)
-        CALLS["engine"].append(context.options)
+        CALLS["engine"].append((context.options, context.max_length))

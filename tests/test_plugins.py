@@ -1,5 +1,6 @@
 """One seam for every plug-in kind: a user's termination rule, estimator, policy loss and engine, each with its own
-options, chosen by dotted path from Python, YAML and the command line (marlhf.plugins)."""
+options, chosen by dotted path from Python, YAML and the command line (marlhf.plugins); plug-ins see typed batches,
+never the config; a package of a user's plug-ins and a dataset trains with no change to marlhf."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def test_a_users_plugins_with_their_options_run_a_ppo_step(tmp_path, make_tiny_c
     train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
     calls = plugin_examples.CALLS
     assert calls["rule"] == [plugin_examples.EveryK(k=3)]
-    assert calls["estimator"] == [plugin_examples.Shifted(shift=0.5)]
+    assert calls["estimator"] == [(plugin_examples.Shifted(shift=0.5), 1)]
     assert calls["loss"] and set(calls["loss"]) == {plugin_examples.Scaled(scale=2.0, clip=0.2)}
-    assert calls["engine"] == [plugin_examples.Tagged(tag="x")]
+    assert calls["engine"] == [(plugin_examples.Tagged(tag="x"), config.max_length)]
     (metrics,) = read_metrics(tmp_path / "ppo")
     assert metrics["macro/mean_segment_length"] > 2 and "loss/value" not in metrics
 
@@ -77,6 +78,19 @@ def test_a_wrong_option_names_the_plugin_and_the_option(options, message):
         PPOConfig.from_dict({"termination": {"ngram": 3}})
     with pytest.raises(ValueError, match="ngram is given twice"):
         PPOConfig.from_dict({"termination": {"name": "fixed", "ngram": 3}, "ngram": 4})
+
+
+def test_plugin_batches_carry_facts_not_the_config():
+    """What a plug-in reads is what its batch declares: no batch (nor an engine's context) hands over the config."""
+    from marlhf.engines import EngineContext
+    from marlhf.estimators import AdvantageBatch
+    from marlhf.policy_losses import PolicyLossBatch
+    from marlhf.termination import SegmentationBatch
+
+    for batch in (SegmentationBatch, AdvantageBatch, PolicyLossBatch, EngineContext):
+        names = {f.name for f in dataclasses.fields(batch)}
+        assert "config" not in names and "options" in names, batch.__name__
+    assert {"num_samples_per_prompt", "value_weighting"} <= {f.name for f in dataclasses.fields(AdvantageBatch)}
 
 
 def test_registry_rules_and_help():
