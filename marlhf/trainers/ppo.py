@@ -64,7 +64,7 @@ from marlhf.data.records import prompt_records, require_fields
 from marlhf.engines import EngineContext, RolloutEngine, make_engine
 from marlhf.estimators import AdvantageBatch
 from marlhf.kl_control import AdaptiveKLController
-from marlhf.logging_utils import reduce_metrics
+from marlhf.logging_utils import MetricsLogger, reduce_metrics
 from marlhf.losses import loss_units, value_loss
 from marlhf.plugins import Plugin
 from marlhf.policy_losses import PolicyLossBatch
@@ -379,29 +379,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
                      models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
                      eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
 
-        # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-        with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
-                  disable=not accelerator.is_local_main_process) as progress:
-            for step in progress:
-                clock = {"start": device_clock(accelerator.device)}
-                experience = make_experience(run, step, clock)  # 1. sample and score
-                experience = per_token_rewards(run, experience)  # 2.
-                experience = macro_actions(run, experience, step)  # 3.
-                experience = estimate_advantages(run, experience)  # 4.
-                update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
-                if kl_control is not None:
-                    adapt_kl_coef(run, experience)
-                clock["update"] = device_clock(accelerator.device)
-
-                done = step + 1  # 6. metrics and checkpoint
-                if done % config.logging_steps == 0 or done == plan.total_steps:
-                    metrics = step_metrics(run, experience, update_stats, clock)
-                    logger.log(metrics, done)
-                    postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
-                    if "objective/kl" in metrics:
-                        postfix["kl"] = f"{metrics['objective/kl']:.3f}"
-                    progress.set_postfix(**postfix)
-                maybe_save_checkpoint(config, done, accelerator, prepared, optimizers, schedulers, tokenizer)
+        train_steps(run, start_step, logger, (prepared, optimizers, schedulers))
 
     logger.close()
     trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
@@ -410,6 +388,35 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         trained = policy = merge_lora(policy)
     save_final_model(trained, tokenizer, config.output_dir, accelerator)
     return policy
+
+
+def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointed: tuple[dict, dict, dict]) -> None:
+    """The steps of the plan from `start_step` on, each the six stages; metrics to `logger`, checkpoints of the
+    `checkpointed` (models, optimizers, schedulers) by name."""
+    config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
+    # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
+    with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
+              disable=not accelerator.is_local_main_process) as progress:
+        for step in progress:
+            clock = {"start": device_clock(accelerator.device)}
+            experience = make_experience(run, step, clock)  # 1. sample and score
+            experience = per_token_rewards(run, experience)  # 2.
+            experience = macro_actions(run, experience, step)  # 3.
+            experience = estimate_advantages(run, experience)  # 4.
+            update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
+            if kl_control is not None:
+                adapt_kl_coef(run, experience)
+            clock["update"] = device_clock(accelerator.device)
+
+            done = step + 1  # 6. metrics and checkpoint
+            if done % config.logging_steps == 0 or done == plan.total_steps:
+                metrics = step_metrics(run, experience, update_stats, clock)
+                logger.log(metrics, done)
+                postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
+                if "objective/kl" in metrics:
+                    postfix["kl"] = f"{metrics['objective/kl']:.3f}"
+                progress.set_postfix(**postfix)
+            maybe_save_checkpoint(config, done, accelerator, *checkpointed, run.tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
