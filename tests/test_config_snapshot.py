@@ -67,9 +67,7 @@ def resolved_options() -> dict[str, Any]:
 
 def _like(value: Any, expected: Any) -> Any:
     """`value` cut to the keys of `expected` (recursively), a key it lacks shown as MISSING."""
-    if not isinstance(expected, dict):
-        return value
-    if not isinstance(value, dict):
+    if not isinstance(expected, dict) or not isinstance(value, dict):
         return value
     return {key: _like(value.get(key, MISSING), sub) for key, sub in expected.items()}
 
@@ -84,6 +82,7 @@ def test_every_committed_config_loads_to_its_snapshot_options():
 
 
 if __name__ == "__main__":
-    entries = sorted(resolved_options().items())
-    SNAPSHOT.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in entries) + "\n}\n")
+    lines = [f"{json.dumps(name)}: {json.dumps(options, sort_keys=True)}" for name, options in
+             sorted(resolved_options().items())]  # one config a line
+    SNAPSHOT.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     print(f"wrote {SNAPSHOT}")

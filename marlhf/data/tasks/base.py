@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from marlhf.errors import did_you_mean
@@ -25,19 +24,19 @@ class SkipRow(Exception):
     """A raw row that cannot make a record of the requested stage; the message is the counted reason."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Task:
     """A dataset: where its raw rows live on the Hub, how its splits feed the stages, and how a raw row becomes a
     stage record (``to_record(row, stage, **record_options) -> record``, raising SkipRow for a row that cannot make
     one).
 
-    ``hub_id`` is "" for a dataset read from local files only. ``hub_kwargs`` go to ``datasets.load_dataset``. TL;DR, WebGPT and APPS are stored on the Hub with
-    loading scripts, which ``datasets`` >= 4 no longer runs, so they are read from the Hub's own Parquet
-    export of the same data (``revision="refs/convert/parquet"``, one folder per config).
-    ``eval_split=None`` means the dataset has no held-out split: ``heldout_fraction`` of its train split
-    (seeded) becomes the evaluation set and the rest is divided among the stages. ``record_options``: the
-    `load_records` options that ``to_record`` takes as keywords, each with its allowed values (WebGPT's
-    ``webgpt_ties``).
+    ``hub_id`` is "" for a dataset read from local files only. ``hub_kwargs`` go to ``datasets.load_dataset``.
+    TL;DR, WebGPT and APPS are stored on the Hub with loading scripts, which ``datasets`` >= 4 no longer runs, so
+    they are read from the Hub's own Parquet export of the same data (``revision="refs/convert/parquet"``, one
+    folder per config). ``eval_split=None`` means the dataset has no held-out split: ``heldout_fraction`` of its
+    train split (seeded) becomes the evaluation set and the rest is divided among the stages. ``expected_rows``:
+    the rows of each Hub split, checked. ``record_options``: the `load_records` options that ``to_record`` takes as
+    keywords, each with its allowed values (WebGPT's ``webgpt_ties``).
     """
 
     name: str
@@ -48,9 +47,9 @@ class Task:
     stage_fractions: dict[str, float]
     to_record: Callable[..., dict[str, Any]]
     heldout_fraction: float | None = None
-    description: str = field(default="", compare=False)
-    expected_rows: dict[str, int] = field(default_factory=dict, compare=False)  # rows per Hub split, checked
-    record_options: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+    description: str = dataclasses.field(default="", compare=False)
+    expected_rows: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
+    record_options: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, compare=False)
 
     def with_options(self, **options: Any) -> Task:
         """The task with the values of the `record_options` among `options` bound to its ``to_record``."""
