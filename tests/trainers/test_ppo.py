@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import marlhf.estimators as estimators
-import marlhf.policy_losses as policy_losses
+import marlhf.estimators.gae as gae_estimator
+import marlhf.policy_losses.ppo as ppo_loss
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import token_gae
 from marlhf.checkpoint import list_checkpoints
@@ -107,8 +107,8 @@ def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_to
         calls.append(segment_ids)
         return token_gae(rewards, values, mask, gamma, lam)
 
-    monkeypatch.setattr(estimators, "macro_gae", forced_token_gae)
-    monkeypatch.setattr(policy_losses, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
+    monkeypatch.setattr(gae_estimator, "macro_gae", forced_token_gae)
+    monkeypatch.setattr(ppo_loss, "policy_loss", lambda *args: policy_loss(*args[:4], None, *args[5:]))
     monkeypatch.setattr(ppo, "value_loss", lambda *args: value_loss(*args[:4], None, *args[5:]))
     token = run(tmp_path / "token")
     assert len(calls) == 2 and all(c.max() == c.shape[1] - 1 for c in calls)
