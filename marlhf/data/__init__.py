@@ -1,7 +1,8 @@
 """Records for SFT, reward modelling, RL and evaluation, from the paper's datasets or local files.
 
-`load_records` is the entry point; `TASKS` describes the four datasets; `split_indices` is the seeded
-stage split; `STAGE_FIELDS` the fields each stage's records carry.
+`load_records` is the entry point; `TASKS` is the dataset registry (marlhf.data.tasks: the paper's four, one file
+each, and any registered since); `split_indices` is the seeded stage split; `STAGE_FIELDS` the fields each stage's
+records carry.
 """
 
 from marlhf.data.loading import load_records
