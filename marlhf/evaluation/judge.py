@@ -130,12 +130,18 @@ class ChatJudge:
 
         # The first failure in time ends the run: no request starts after it and the ones in flight stop before
         # their next try, instead of each spending its own time limit on the same endpoint.
+        # The failure that stopped the others is the one to report: as_completed yields the futures that had
+        # already ended in no particular order, so the first one raised may be another's "stopped".
+        first_failure: list[BaseException] = []
+
         def complete_unless_stopped(message: str) -> str:
             if self._stop.is_set():
                 raise MarlhfError(f"judge endpoint {self.endpoint}: not sent, another request gave up")
             try:
                 return self.complete(message)
-            except BaseException:
+            except BaseException as error:
+                if not self._stop.is_set():
+                    first_failure.append(error)
                 self._stop.set()
                 raise
 
@@ -144,9 +150,11 @@ class ChatJudge:
             try:
                 for future in tqdm(as_completed(index), total=len(index), desc="judge", disable=None):
                     replies[index[future]] = future.result()
-            except BaseException:  # a failure, or Ctrl-C in this thread
+            except BaseException as error:  # a failure, or Ctrl-C in this thread
                 self._stop.set()
                 pool.shutdown(cancel_futures=True)
+                if isinstance(error, Exception) and first_failure and error is not first_failure[0]:
+                    raise first_failure[0] from None
                 raise
         return [parse_preference(reply) for reply in replies]
 
