@@ -16,10 +16,11 @@ def _batch(seed, batch=10, width=25):
     """A ragged batch whose log-probs put about half the tokens below 0.9, some exactly at 0.9."""
     g = torch.Generator().manual_seed(seed)
     mask, lengths = random_batch(batch, width, g)
-    probs = torch.where(torch.rand(batch, width, generator=g) < 0.5, torch.rand(batch, width, generator=g) * 0.9,
-                        0.9 + 0.1 * torch.rand(batch, width, generator=g))
-    probs[torch.rand(batch, width, generator=g) < 0.1] = 0.9  # on the threshold: not below it
-    logprobs = probs.double().log()
+    uniform = torch.rand(3, batch, width, generator=g, dtype=torch.double)
+    probs = torch.where(uniform[0] < 0.5, uniform[1] * 0.9, 0.9 + 0.1 * uniform[1])
+    probs[uniform[2] < 0.1] = 0.9  # on the threshold: not below it
+    logprobs = probs.log()
+    assert (logprobs.exp() == 0.9).any()
     logprobs[~mask] = float("nan")  # padding may hold anything
     return mask, lengths, logprobs
 
