@@ -9,7 +9,9 @@ bool. For row b with segments tau = 0..m-1 (docs/algorithm.md):
     A_tau = sum_l (gamma lam)^l delta_{tau+l},      Q_tau = A_tau + V_tau
 
 and every token of segment tau carries A_tau and Q_tau. Sequence-level estimators (rloo, grpo,
-reinforce) give one advantage per sample for the critic-free baselines.
+reinforce) give one advantage per sample for the critic-free baselines; prefix_tree_advantages (TEMPO) and
+entropy_weighted (GTPO / GRPO-S) give critic-free per-token advantages over a group, and low_prob_advantage_mask
+(SPO) keeps an advantage only on decision tokens (docs/algorithm.md).
 
 Lambda may differ per row (a float tensor [B]): :func:`length_adaptive_lam` gives VAPO's
 lam = 1 - 1 / (alpha * l) for a row of l actions, and PPO can take the critic's targets with another
@@ -290,7 +292,8 @@ def prefix_tree_advantages(
     std normalisation (the std of one score); here that is a ValueError, as in :func:`grpo`; without it, 0.
 
     Args:
-        scores: float [N], one outcome per response, the ``group_size`` responses of a prompt consecutive.
+        scores: float [N], one outcome per response, the ``group_size`` responses of a prompt consecutive (NaN or
+            inf raise a ValueError).
         response_ids: long [N, T], the sampled tokens (padding ignored); mask: bool [N, T].
     Returns:
         advantages: float [N, T], 0 on padding.

@@ -4,7 +4,8 @@ Every function works on response tokens only, shaped ``[B, T]`` and right-padded
 bool ``[B, T]`` tensor, True on real response tokens. A termination rule returns ``segment_ids``,
 a long ``[B, T]`` tensor numbering the segments of each row 0, 1, 2, ... left to right, covering
 every masked token, with -1 on padding. The tensor functions here do not loop over batch rows; only
-``perplexity`` loops over time (its rule is sequential), vectorised across the batch. ``parsing`` is the
+``perplexity`` and ``low_prob_cutpoints`` with ``min_tokens`` loop over time (their rules are sequential),
+vectorised across the batch. ``parsing`` is the
 exception: it parses each decoded response in Python (it lives in :mod:`marlhf.parsing` with its parsers and is
 named here beside the other rules).
 
