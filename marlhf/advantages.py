@@ -51,6 +51,7 @@ from marlhf.segments import (
 
 SegmentReward = Literal["sum", "mean", "weighted"]
 LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (estimators.GAEOptions)
+EntropyLevel = Literal["token", "sequence"]  # GTPO or GRPO-S (entropy_weighted)
 
 __all__ = [
     "kl_penalized_rewards",
@@ -67,7 +68,6 @@ __all__ = [
     "entropy_weighted",
     "whiten",
 ]
-EntropyLevel = Literal["token", "sequence"]
 
 
 def kl_penalized_rewards(
@@ -309,7 +309,7 @@ def prefix_tree_advantages(
     live = mask.view(groups, group_size, 1, width)
     # through[c, i, k, t]: response k shares response i's first t + 1 tokens, i.e. passes through node y_{i,<=t}
     same = (ids == ids.transpose(1, 2)) & live & live.transpose(1, 2)
-    through = (~same).cumsum(dim=-1) == 0
+    through = same.cummin(dim=-1).values
     grouped = scores.view(groups, group_size)
     weights = through.to(scores.dtype)
     node_value = (weights * grouped[:, None, :, None]).sum(dim=2) / weights.sum(dim=2).clamp(min=1)  # [G', g, T]

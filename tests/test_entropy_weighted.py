@@ -157,7 +157,8 @@ def test_edge_cases_and_bad_input():
     assert entropy_shaped_rewards(scores, entropy, mask, 2, "sequence")[2].item() == 1.0  # a1 r, no entropy term
     empty = torch.zeros(4, 0, dtype=torch.bool)
     assert entropy_weighted(scores, torch.zeros(4, 0), empty, 2).shape == (4, 0)
-    assert (entropy_weighted(scores, torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool), 4, "sequence") == 0).all()
+    for level in ("token", "sequence"):
+        assert (entropy_weighted(scores, torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool), 4, level) == 0).all()
     with pytest.raises(ValueError, match="`entropy`"):
         entropy_weighted(scores, torch.full((4, 2), float("nan")), mask, 2)
     with pytest.raises(ValueError, match="`scores`"):
