@@ -98,7 +98,7 @@ def test_matches_the_papers_equations(seed, level, group_size, binary):
 @pytest.mark.parametrize("seed", range(4))
 def test_positive_reward_mass_is_conserved(seed):
     """Proposition 2.2: with r = 1, per group and position the successes' shaped rewards sum to (a1 + a2) d_t."""
-    scores, entropy, mask, lengths = _batch(seed, groups=4, group_size=5)
+    scores, entropy, mask, _ = _batch(seed, groups=4, group_size=5)
     shaped = entropy_shaped_rewards(scores, entropy, mask, 5, alpha1=0.9, alpha2=0.1)
     live_success = (mask & (scores > 0.5)[:, None]).view(4, 5, -1)
     sums = torch.where(live_success, shaped.view(4, 5, -1), 0.0).sum(dim=1)

@@ -148,7 +148,7 @@ def test_advantage_mask_matches_spo(seed):
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.9, 1.0])
 def test_advantage_mask_per_segment(threshold):
     """A macro action's advantage stays only on its tokens below the threshold; one without such a token gives 0."""
-    mask, lengths, logprobs = _batch(7)
+    mask, _, logprobs = _batch(7)
     ids = low_prob_cutpoints(mask, logprobs, 0.5, max_tokens=4)
     seg_adv = torch.randn(mask.shape[0], mask.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.double)
     advantages = torch.where(mask, seg_adv.gather(1, ids.clamp(min=0)), 0.0)  # one advantage per segment

@@ -126,7 +126,7 @@ def test_identical_responses_give_grpo(seed):
 def test_different_first_tokens_give_grpo_after_the_first(seed):
     """The first token moves from the root (the group mean) to a leaf's branch (the response's own score), so it
     gets twice GRPO's advantage, as the authors' code gives it; every later token gets GRPO's."""
-    scores, ids, mask, lengths = _group_batch(seed, groups=3, group_size=4, width=8)
+    scores, ids, mask, _ = _group_batch(seed, groups=3, group_size=4, width=8)
     mask[:, 0] = True
     ids[:, 0] = torch.arange(12) % 4 + 10  # distinct first tokens within each group
     ids = ids.masked_fill(~mask, PAD)
