@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
 
+from marlhf.data.records import numbered_jsonl
 from marlhf.errors import MarlhfError
 
 Preference = Literal["first", "second", "tie", "invalid"]  # "invalid": the judge's answer could not be parsed
@@ -297,16 +298,12 @@ def summarize_winners(winners: Sequence[str]) -> dict[str, Any]:
 def read_responses(path: str | Path) -> dict[str, str]:
     """prompt -> response from a JSONL of {"prompt", "response", ...} lines (what `marlhf evaluate` writes)."""
     responses: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("response"), str):
-                raise ValueError(f"{path}:{line_number}: each line needs string fields 'prompt' and 'response'")
-            if row["prompt"] in responses:
-                raise ValueError(f"{path}:{line_number}: prompt repeated (one response per prompt is compared)")
-            responses[row["prompt"]] = row["response"]
+    for line_number, row in numbered_jsonl(path):
+        if not isinstance(row.get("prompt"), str) or not isinstance(row.get("response"), str):
+            raise ValueError(f"{path}:{line_number}: each line needs string fields 'prompt' and 'response'")
+        if row["prompt"] in responses:
+            raise ValueError(f"{path}:{line_number}: prompt repeated (one response per prompt is compared)")
+        responses[row["prompt"]] = row["response"]
     return responses
 
 
