@@ -45,8 +45,10 @@ def test_bad_option_value_is_a_usage_error(capsys):
         cli.main(["sft", "--no_such_option", "1"])
     with pytest.raises(SystemExit):
         cli.main([])
-    with pytest.raises(SystemExit, match="marlhf demo: error: methods\\[0\\] must be one of"):
-        cli.main(["demo", "--methods", "foo"])
+    assert cli.main(["demo", "--methods", "foo"]) == 2
+    assert "marlhf: error: demo: methods[0] must be one of" in capsys.readouterr().err
+    assert cli.main(["demo", "--seeds", "-1"]) == 2  # was numpy's 'Seed must be between...' after the demo started
+    assert capsys.readouterr().err.startswith("marlhf: error: demo: seeds must be 0 to 2**32 - 1, got (-1,)")
 
 
 def test_sft_from_yaml_and_flags_end_to_end(tmp_path, tiny_model_dir, tiny_records):
