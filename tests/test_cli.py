@@ -372,3 +372,19 @@ def test_evaluate_on_a_model_without_tokenizer_files_names_them(tmp_path, tiny_m
                                          str(tiny_model_dir), "--dataset", str(tmp_path / "eval.jsonl"),
                                          "--output_dir", str(tmp_path / "out")])
     assert code == 2 and f"no tokenizer files in {model_only}" in line and "tokenizer.json" in line, line
+
+
+@pytest.mark.parametrize("argv", [["plot", "{run}", "--out", "{file}"], ["plot", "{run}", "--out", "{file}/plots"],
+                                  ["demo", "--quick", "--out", "{file}"]])
+def test_an_output_directory_where_a_file_is_is_one_line(tmp_path, capsys, argv):
+    """Was 'File exists: PATH' / 'Not a directory: PATH', which named no cause."""
+    run, file = tmp_path / "run", tmp_path / "taken"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "objective/rm_score": 0.1}) + "\n")
+    file.write_text("x")
+    argv = [part.format(run=run, file=file) for part in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"marlhf: error: cannot make the directory {argv[-1]}: a file is in "
+                                               "the way"), err
+    assert file.read_text() == "x"
