@@ -9,7 +9,9 @@ bool. For row b with segments tau = 0..m-1 (docs/algorithm.md):
     A_tau = sum_l (gamma lam)^l delta_{tau+l},      Q_tau = A_tau + V_tau
 
 and every token of segment tau carries A_tau and Q_tau. Sequence-level estimators (rloo, grpo,
-reinforce) give one advantage per sample for the critic-free baselines.
+reinforce) give one advantage per sample for the critic-free baselines; prefix_tree_advantages (TEMPO) and
+entropy_weighted (GTPO / GRPO-S) give critic-free per-token advantages over a group, and low_prob_advantage_mask
+(SPO) keeps an advantage only on decision tokens (docs/algorithm.md).
 
 Lambda may differ per row (a float tensor [B]): :func:`length_adaptive_lam` gives VAPO's
 lam = 1 - 1 / (alpha * l) for a row of l actions, and PPO can take the critic's targets with another
@@ -39,6 +41,7 @@ from marlhf._checks import check_finite_vector, check_like, check_mask, check_se
 from marlhf.segments import (
     ValueWeighting,
     broadcast_segments,
+    low_prob_tokens,
     masked_mean,
     segment_lengths,
     segment_mean,
@@ -48,6 +51,7 @@ from marlhf.segments import (
 
 SegmentReward = Literal["sum", "mean", "weighted"]
 LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (marlhf.estimators.gae.GAEOptions)
+EntropyLevel = Literal["token", "sequence"]  # GTPO or GRPO-S (entropy_weighted)
 
 __all__ = [
     "kl_penalized_rewards",
@@ -58,6 +62,10 @@ __all__ = [
     "rloo",
     "grpo",
     "reinforce",
+    "prefix_tree_advantages",
+    "low_prob_advantage_mask",
+    "entropy_shaped_rewards",
+    "entropy_weighted",
     "whiten",
 ]
 
@@ -253,6 +261,215 @@ def reinforce(scores: torch.Tensor) -> torch.Tensor:
     """REINFORCE with the batch-mean baseline: [N] -> [N]."""
     check_finite_vector(scores, "scores")
     return scores - scores.mean()
+
+
+def prefix_tree_advantages(
+    scores: torch.Tensor,
+    response_ids: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """TEMPO / Prefix-to-Tree (arXiv 2509.18314): GRPO's advantage plus a TD correction on the prefix tree of the
+    group's responses.
+
+    The ``group_size`` responses to one prompt (consecutive rows) form a tree whose nodes are their prefixes;
+    V(node) is the mean score of the responses through it (V(root) = the group mean). Token t of response i moves
+    from node y_{<t} to node y_{<=t}, and gets
+
+        A_{i,t} = (R_i - mean_G + V(y_{<=t}) - V(y_{<t})) / (std_G + eps)
+
+    (no division when not ``normalize_std``; std_G unbiased). The TD term is non-zero only where the group branches:
+    it is 0 on a token all responses through y_{<t} share, and once a response is alone in its branch
+    V(y_{<=t}) = V(y_{<t}) = R_i, so the rest of it gets GRPO's advantage. Identical responses give GRPO everywhere;
+    responses that differ at their first token give GRPO after it and 2 GRPO on it (V(y_0) - V(root) = R_i - mean_G).
+
+    As the authors' ``compute_tempo_outcome_advantage`` (github fatebreaker/tempo, verl/trainer/ppo/core_algos.py)
+    computes it, with the tree read from the mask: a response that ends at node y_{<t} counts in the values of that
+    node and its ancestors, not in any child (the authors compare raw token ids, padding included, which is the same
+    whenever the pad id is not the other response's token there). Their code gives NaN for a group of one under
+    std normalisation (the std of one score); here that is a ValueError, as in :func:`grpo`; without it, 0.
+
+    Args:
+        scores: float [N], one outcome per response, the ``group_size`` responses of a prompt consecutive (NaN or
+            inf raise a ValueError).
+        response_ids: long [N, T], the sampled tokens (padding ignored); mask: bool [N, T].
+    Returns:
+        advantages: float [N, T], 0 on padding.
+    """
+    check_mask(mask)
+    _check_groups(scores, group_size, minimum=2 if normalize_std else 1)
+    if not isinstance(response_ids, torch.Tensor) or response_ids.shape != mask.shape:
+        raise ValueError(f"`response_ids` must be a tensor shaped like `mask` {tuple(mask.shape)}")
+    if scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"`scores` has {scores.shape[0]} rows but `mask` has {mask.shape[0]}")
+    groups, width = scores.shape[0] // group_size, mask.shape[1]
+    ids = response_ids.view(groups, group_size, 1, width)
+    live = mask.view(groups, group_size, 1, width)
+    # through[c, i, k, t]: response k shares response i's first t + 1 tokens, i.e. passes through node y_{i,<=t}
+    same = (ids == ids.transpose(1, 2)) & live & live.transpose(1, 2)
+    through = same.cummin(dim=-1).values
+    grouped = scores.view(groups, group_size)
+    weights = through.to(scores.dtype)
+    node_value = (weights * grouped[:, None, :, None]).sum(dim=2) / weights.sum(dim=2).clamp(min=1)  # [G', g, T]
+    mean = grouped.mean(dim=1, keepdim=True)
+    parent_value = torch.cat([mean[:, :, None].expand(-1, group_size, 1), node_value[..., :-1]], dim=-1)
+    advantages = (grouped - mean)[..., None] + node_value - parent_value
+    if normalize_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True)[..., None] + eps)
+    advantages = advantages.reshape(mask.shape)
+    return torch.where(mask, advantages, torch.zeros_like(advantages))
+
+
+def low_prob_advantage_mask(
+    advantages: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, threshold: float = 0.9
+) -> torch.Tensor:
+    """SPO's probability mask (arXiv 2505.23564): keep a token's advantage only where the sampling policy gave the
+    sampled token probability below ``threshold`` (strict, :func:`marlhf.segments.low_prob_tokens`), 0 elsewhere.
+
+    Applied to per-token advantages, so a macro action's advantage lands on its decision tokens only, and a macro
+    action without such a token contributes nothing. SPO's trainer also drops the masked tokens from the loss's
+    token mean (``action_mask & (exp(old_logprobs) < 0.9)``, src/treetune/trainers/ppo_trainer.py); a zero
+    advantage gives them no gradient but they still count in marlhf's denominators. NaN or inf advantages or
+    log-probs on response tokens raise a ValueError.
+
+    Args:
+        advantages, logprobs: float [B, T]; mask: bool [B, T]; threshold: in [0, 1] (SPO: 0.9).
+    Returns:
+        float [B, T], 0 on padding.
+    """
+    check_like(advantages, mask, "advantages")
+    keep = low_prob_tokens(mask, logprobs, threshold)
+    return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def entropy_shaped_rewards(
+    scores: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    level: EntropyLevel = "token",
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    success_threshold: float = 0.5,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GTPO's and GRPO-S's entropy-shaped rewards (Dynamic Entropy Weighting, Tan et al., arXiv 2508.04349).
+
+    A response succeeds when its score is above ``success_threshold`` (the paper's r in {0, 1}). Per group of
+    ``group_size`` consecutive responses, with H_{i,t} the sampling policy's entropy at token t of response i:
+
+    - ``level="token"`` (GTPO, Eq. 3 and 5): d_t (h_t) counts the successes (failures) still generating at t, a
+      finished response's entropy counting as 0 there, and
+
+          r+_{i,t} = alpha1 r_i + alpha2 H_{i,t} / sum_{k in O+} H_{k,t} * d_t
+          r-_{j,t} = -alpha1 - alpha2 (1 / H_{j,t}) / sum_{k in O-} (1 / H_{k,t}) * h_t
+
+      per position the successes' rewards sum to (alpha1 + alpha2) d_t when r = 1 (Proposition 2.2).
+    - ``level="sequence"`` (GRPO-S, Eq. 8 and 9): with H^_i the mean entropy of response i, n (m) the successes
+      (failures) with at least one token,
+
+          r+_i = alpha1 r_i + alpha2 H^_i / sum_{k in O+} H^_k * n
+          r-_j = -alpha1 - alpha2 (1 / H^_j) / sum_{k in O-} (1 / H^_k) * m
+
+      and an empty response gets alpha1 r_i or -alpha1 (the paper has none; its H^ would be 0/0).
+
+    ``alpha1``/``alpha2`` are the paper's alpha or beta (its runs: 1 and 0.1). ``eps`` is Remark 2.1's constant,
+    added only where a denominator can be 0: H / max(sum H, eps) and 1 / (H + eps) (so a lone response's share is
+    exactly 1, which the standardisation would otherwise blow up from an eps-sized difference). A failure gets
+    -alpha1 whatever its score (Eq. 5); a success keeps its score in alpha1 r_i (Eq. 3). Computed in float64. NaN
+    or inf scores, or entropies on response tokens, raise a ValueError.
+
+    Args:
+        scores: float [N], consecutive groups; entropy: float [N, T] (>= 0); mask: bool [N, T].
+    Returns:
+        float [N, T] shaped token rewards, 0 on padding (``"token"``), or float [N] (``"sequence"``).
+    """
+    check_mask(mask)
+    check_like(entropy, mask, "entropy")
+    _check_groups(scores, group_size, minimum=1)
+    if scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"`scores` has {scores.shape[0]} rows but `mask` has {mask.shape[0]}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"`level` must be 'token' or 'sequence', got {level!r}")
+    success = (scores > success_threshold).view(-1, group_size)
+    r = scores.to(torch.float64).view(-1, group_size)
+    h = torch.where(mask, entropy.to(torch.float64), 0.0)
+    if level == "sequence":
+        shaped = _shaped(r, masked_mean(h, mask, dim=1).view_as(r), mask.any(dim=1).view_as(r), success,
+                         alpha1, alpha2, eps)
+        return shaped.reshape(-1).to(scores.dtype)
+    live = mask.view(scores.shape[0] // group_size, group_size, mask.shape[1])
+    shaped = _shaped(r[..., None], h.view(live.shape), live, success[..., None], alpha1, alpha2, eps)
+    return torch.where(mask, shaped.reshape(mask.shape), 0.0).to(entropy.dtype)
+
+
+def _shaped(r, h, live, success, alpha1, alpha2, eps):
+    """Eq. 3/5 (or 9) along dim 1, the group: a live success's share of the positive mass grows with its entropy,
+    a live failure's share of the negative mass with its inverse entropy; entries that are not live get none."""
+    positive, negative = live & success, live & ~success
+    h_pos = torch.where(positive, h, 0.0)
+    bonus = h_pos / h_pos.sum(dim=1, keepdim=True).clamp(min=eps) * positive.sum(dim=1, keepdim=True)
+    inverse = torch.where(negative, 1.0 / (h + eps), 0.0)
+    penalty = inverse / inverse.sum(dim=1, keepdim=True).clamp(min=eps) * negative.sum(dim=1, keepdim=True)
+    return torch.where(success, alpha1 * r + alpha2 * bonus, -alpha1 - alpha2 * penalty)
+
+
+def entropy_weighted(
+    scores: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    level: EntropyLevel = "token",
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    success_threshold: float = 0.5,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GTPO / GRPO-S advantages (arXiv 2508.04349) from :func:`entropy_shaped_rewards`.
+
+    - ``"token"`` (GTPO, Eq. 6): successes and failures are normalised separately, each over all its shaped token
+      rewards in the group, A+_{i,t} = (r+_{i,t} - mean(R+)) / std(R+) and likewise A- over R-. As written, each
+      set's advantages then have mean 0 (the outcome enters only through which set a response is in). The paper's
+      Discussion says its implementation compares entropies across the batch: ``group_size = N`` does that.
+    - ``"sequence"`` (GRPO-S, Eq. 1 on the shaped rewards, Eq. 46): A_i = (r^_i - mean) / std over the group's
+      responses, broadcast to every token of a response. With equal entropies and scores in {0, 1} this is
+      :func:`grpo` (the shaped rewards are an affine map of the scores). GRPO-S's sequence-level importance weight
+      (Eq. 11) belongs to the policy loss, not here.
+
+    std is unbiased and ``eps`` is added to it; a set or group of one entry gets 0 (nothing to compare with).
+
+    Args:
+        as :func:`entropy_shaped_rewards`.
+    Returns:
+        advantages: float [N, T], 0 on padding.
+    """
+    shaped = entropy_shaped_rewards(scores, entropy, mask, group_size, level, alpha1, alpha2, success_threshold, eps)
+    if level == "sequence":
+        grouped = shaped.to(torch.float64).view(-1, group_size)
+        members = torch.ones_like(grouped, dtype=torch.bool)
+        advantages = _standardize(grouped, members, eps).reshape(-1, 1).expand(mask.shape)
+    else:
+        grouped = shaped.to(torch.float64).view(scores.shape[0] // group_size, group_size, mask.shape[1])
+        live = mask.view(grouped.shape)
+        success = (scores > success_threshold).view(-1, group_size, 1)
+        # one normalisation per (group, set): flatten each group's tokens, then standardise each set apart
+        flat = grouped.reshape(grouped.shape[0], -1)
+        advantages = torch.zeros_like(flat)
+        for members in ((live & success).reshape(flat.shape), (live & ~success).reshape(flat.shape)):
+            advantages = torch.where(members, _standardize(flat, members, eps), advantages)
+        advantages = advantages.reshape(mask.shape)
+    return torch.where(mask, advantages, 0.0).to(entropy.dtype)
+
+
+def _standardize(x: torch.Tensor, members: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) along dim 1 over `members` (std unbiased; 0 for a single member)."""
+    count = members.sum(dim=1, keepdim=True)
+    mean = torch.where(members, x, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(members, x - mean, 0.0)
+    std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    return centered / (std + eps)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

@@ -17,6 +17,7 @@ in marlhf: its traceback, then a line asking for a report (exit 1).
 from __future__ import annotations
 
 import difflib
+import os
 
 __all__ = ["MarlhfError", "MissingPackage", "OutOfMemory", "Interrupted", "USAGE_EXIT", "one_line", "did_you_mean"]
 
@@ -55,7 +56,11 @@ def did_you_mean(word: str, choices) -> str:
 
 def one_line(error: BaseException) -> str:
     """The error's message on one line (a file error names its file)."""
-    if isinstance(error, OSError) and error.filename is not None:
+    if isinstance(error, (FileExistsError, NotADirectoryError)) and error.filename is not None \
+            and not os.path.isdir(error.filename):  # mkdir of an output directory where a file is (or in one)
+        text = (f"cannot make the directory {error.filename}: a file is in the way ({error.strerror}); give another "
+                "output directory or move the file")
+    elif isinstance(error, OSError) and error.filename is not None:
         text = f"{error.strerror or error}: {error.filename}"
     else:
         text = str(error) or type(error).__name__

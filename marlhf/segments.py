@@ -4,7 +4,8 @@ Every function works on response tokens only, shaped ``[B, T]`` and right-padded
 bool ``[B, T]`` tensor, True on real response tokens. A termination rule returns ``segment_ids``,
 a long ``[B, T]`` tensor numbering the segments of each row 0, 1, 2, ... left to right, covering
 every masked token, with -1 on padding. The tensor functions here do not loop over batch rows; only
-``perplexity`` loops over time (its rule is sequential), vectorised across the batch. ``parsing`` is the
+``perplexity`` and ``low_prob_cutpoints`` with ``min_tokens`` loop over time (their rules are sequential),
+vectorised across the batch. ``parsing`` is the
 exception: it parses each decoded response in Python (it lives in :mod:`marlhf.parsing` with its parsers and is
 named here beside the other rules).
 
@@ -28,6 +29,8 @@ __all__ = [
     "fixed_ngram",
     "randomized_ngram",
     "perplexity",
+    "low_prob_tokens",
+    "low_prob_cutpoints",
     "parsing",
     "words",
     "word_starts",
@@ -137,6 +140,92 @@ def perplexity(mask: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
             seg_sum = np.where(starts, nll[:, t], seg_sum + nll[:, t])
             seg_len = np.where(starts, 1.0, seg_len + 1.0)
     return torch.from_numpy(ids).to(mask.device).masked_fill(~mask, -1)
+
+
+def low_prob_tokens(mask: torch.Tensor, logprobs: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
+    """Bool [B, T]: True on response tokens whose probability under the sampling policy is below ``threshold``.
+
+    SPO's test (arXiv 2505.23564; code AIFrameResearch/SPO): ``exp(logprob) < threshold``, strict, the
+    probability taken in float64 as its NumPy code does. NaN or inf log-probs on response tokens raise a
+    ValueError (padding may hold anything).
+
+    Args:
+        mask: bool [B, T].
+        logprobs: float [B, T], log-probs of the sampled tokens under the policy that sampled them.
+        threshold: in [0, 1]; 0 marks no token, 1 every token sampled with probability below 1.
+    Returns:
+        bool [B, T], False on padding.
+    """
+    check_mask(mask)
+    check_like(logprobs, mask, "logprobs")
+    if not 0.0 <= threshold <= 1.0:  # NaN fails both comparisons
+        raise ValueError(f"`threshold` must be in [0, 1], got {threshold}")
+    return mask & (logprobs.detach().to(torch.float64).exp() < threshold)
+
+
+def low_prob_cutpoints(
+    mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    threshold: float = 0.9,
+    interval: int = 1,
+    min_tokens: int | None = None,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """SPO's cutpoints: a new segment starts at a sampled token whose probability is below ``threshold``.
+
+    The low-probability tokens of a row (:func:`low_prob_tokens`) are numbered 0, 1, 2, ... left to right and
+    every ``interval``-th is kept (0, interval, 2 interval, ...), as SPO's ``cutpoints[::cutpoint_interval]``
+    does; a kept one at position 0 changes nothing, since the first token always starts segment 0. Then, left to
+    right, a kept cutpoint less than ``min_tokens`` tokens after the current segment's start is dropped, and a
+    segment that reaches ``max_tokens`` tokens ends there (a forced cut, not counted by ``interval``). A row's
+    last segment may be shorter than ``min_tokens``.
+
+    Vectorised; with ``min_tokens`` the rule is sequential (whether a cut is kept depends on the last kept one),
+    so it loops over T, vectorised across the batch, as :func:`perplexity` does.
+
+    Args:
+        mask: bool [B, T].
+        logprobs: float [B, T], log-probs of the sampled tokens under the sampling policy (finite on tokens).
+        threshold: probability below which a token starts a segment (SPO: 0.9).
+        interval: keep every ``interval``-th cutpoint (int >= 1).
+        min_tokens, max_tokens: optional segment lengths (ints >= 1, min_tokens <= max_tokens).
+    Returns:
+        segment_ids: long [B, T], -1 on padding.
+    """
+    low = low_prob_tokens(mask, logprobs, threshold)
+    for name, value in (("interval", interval), ("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"`min_tokens` ({min_tokens}) must be <= `max_tokens` ({max_tokens})")
+    rank = low.long().cumsum(dim=1) - 1  # index of each low-probability token among its row's
+    cuts = low & (rank % interval == 0)
+    if min_tokens is None:
+        starts = cuts
+        if max_tokens is not None:  # split every segment into pieces of max_tokens
+            positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+            seg_start = torch.where(cuts, positions, 0).cummax(dim=1).values  # the last cut at or before t
+            starts = starts | ((positions - seg_start) % max_tokens == 0)
+    else:
+        starts = _greedy_starts(cuts, min_tokens, max_tokens)
+    if starts.shape[1]:
+        starts[:, 0] = True
+    ids = (starts & mask).long().cumsum(dim=1) - 1
+    return ids.masked_fill(~mask, -1)
+
+
+def _greedy_starts(cuts: torch.Tensor, min_tokens: int, max_tokens: int | None) -> torch.Tensor:
+    """Left to right: start a segment at a cut once the current one has ``min_tokens`` tokens, or at any token
+    once it has ``max_tokens``. Loops over T in NumPy on the host, vectorised across the batch."""
+    cut = cuts.cpu().numpy()
+    batch, width = cut.shape
+    starts = np.zeros((batch, width), dtype=bool)
+    length = np.zeros(batch, dtype=np.int64)  # tokens in the current segment before t
+    limit = width + 1 if max_tokens is None else max_tokens
+    for t in range(width):
+        starts[:, t] = (cut[:, t] & (length >= min_tokens)) | (length >= limit) | (t == 0)
+        length = np.where(starts[:, t], 1, length + 1)
+    return torch.from_numpy(starts).to(cuts.device)
 
 
 def words(mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

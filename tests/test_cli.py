@@ -45,8 +45,10 @@ def test_bad_option_value_is_a_usage_error(capsys):
         cli.main(["sft", "--no_such_option", "1"])
     with pytest.raises(SystemExit):
         cli.main([])
-    with pytest.raises(SystemExit, match="marlhf demo: error: methods\\[0\\] must be one of"):
-        cli.main(["demo", "--methods", "foo"])
+    assert cli.main(["demo", "--methods", "foo"]) == 2
+    assert "marlhf: error: demo: methods[0] must be one of" in capsys.readouterr().err
+    assert cli.main(["demo", "--seeds", "-1"]) == 2  # was numpy's 'Seed must be between...' after the demo started
+    assert capsys.readouterr().err.startswith("marlhf: error: demo: seeds must be 0 to 2**32 - 1, got (-1,)")
 
 
 def test_sft_from_yaml_and_flags_end_to_end(tmp_path, tiny_model_dir, tiny_records):
@@ -370,3 +372,19 @@ def test_evaluate_on_a_model_without_tokenizer_files_names_them(tmp_path, tiny_m
                                          str(tiny_model_dir), "--dataset", str(tmp_path / "eval.jsonl"),
                                          "--output_dir", str(tmp_path / "out")])
     assert code == 2 and f"no tokenizer files in {model_only}" in line and "tokenizer.json" in line, line
+
+
+@pytest.mark.parametrize("argv", [["plot", "{run}", "--out", "{file}"], ["plot", "{run}", "--out", "{file}/plots"],
+                                  ["demo", "--quick", "--out", "{file}"]])
+def test_an_output_directory_where_a_file_is_is_one_line(tmp_path, capsys, argv):
+    """Was 'File exists: PATH' / 'Not a directory: PATH', which named no cause."""
+    run, file = tmp_path / "run", tmp_path / "taken"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "objective/rm_score": 0.1}) + "\n")
+    file.write_text("x")
+    argv = [part.format(run=run, file=file) for part in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"marlhf: error: cannot make the directory {argv[-1]}: a file is in "
+                                               "the way"), err
+    assert file.read_text() == "x"

@@ -230,6 +230,7 @@ def load_records(
         if not records:
             raise ValueError(f"dataset file {dataset!r} holds no records (it is empty or blank)")
         check_stage_records(records, stage, source=dataset)
+        check_preference_pairs(records, stage, source=dataset)
         return subsample(records, max_samples, seed)
     resolved = resolved.with_options(**record_options)
     if is_local_path(dataset):
@@ -244,4 +245,20 @@ def load_records(
         logger.warning("%s (%s, stage %s): skipped %d rows (%s)", source, resolved.name, stage, sum(skipped.values()), reasons)
     if not records:
         raise ValueError(f"{source}: no usable {stage!r} records among its {num_rows} rows (skipped: {dict(skipped)})")
+    check_preference_pairs(records, stage, source=source)
     return subsample(records, max_samples, seed)
+
+
+def check_preference_pairs(records: list[dict[str, Any]], stage: str, source: str) -> None:
+    """A preference pair whose chosen and rejected responses are the same carries no preference (its Bradley-Terry
+    and DPO losses are log 2 whatever the model, with no gradient): all of them is a ValueError, some a warning
+    with their count. Other stages pass."""
+    if stage != "rm":
+        return
+    same = [index for index, record in enumerate(records) if record["chosen"] == record["rejected"]]
+    if len(same) == len(records):
+        raise ValueError(f"{source}: in every one of its {len(records)} preference pairs chosen equals rejected; a pair "
+                         "needs two different responses")
+    if same:
+        logger.warning("%s: %d of %d preference pairs (the first: record %d) have chosen equal to rejected; they "
+                       "carry no preference and only dilute the batch", source, len(same), len(records), same[0])

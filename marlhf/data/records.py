@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "response"),
@@ -50,6 +50,18 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...] = ()) -> list[dict[str,
     """The JSON objects of a JSONL file, one a line (blank lines skipped, a UTF-8 byte-order mark allowed), each
     with `fields`; a line that is not one is a ValueError naming the file and line."""
     rows = []
+    for line_number, row in numbered_jsonl(path):
+        missing = [name for name in fields if name not in row]
+        if missing:
+            raise ValueError(f"{path}:{line_number}: each line needs the fields {list(fields)}, this one lacks "
+                             f"{missing}")
+        rows.append(row)
+    return rows
+
+
+def numbered_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, JSON object) for each non-blank line of a JSONL file (a UTF-8 byte-order mark allowed); a line
+    that is not valid UTF-8, not JSON or not an object is a ValueError naming the file and line."""
     with Path(path).open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             try:
@@ -64,12 +76,7 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...] = ()) -> list[dict[str,
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
-            missing = [name for name in fields if name not in row]
-            if missing:
-                raise ValueError(f"{path}:{line_number}: each line needs the fields {list(fields)}, this one lacks "
-                                 f"{missing}")
-            rows.append(row)
-    return rows
+            yield line_number, row
 
 
 def check_stage_records(records: list[dict[str, Any]], stage: str, source: str) -> None:

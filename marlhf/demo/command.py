@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from marlhf.errors import MarlhfError
 from marlhf.evaluation.commands import Tool
 
 
@@ -25,8 +26,8 @@ def _run_demo(arguments: argparse.Namespace) -> int:
         if arguments.quick:  # the quick preset replaces the options left at their defaults
             defaults = DemoConfig().to_dict()
             config = DemoConfig.quick(**{k: v for k, v in config.to_dict().items() if v != defaults[k]})
-    except ValueError as error:  # a bad option: a usage error like the trainers', not a traceback
-        raise SystemExit(f"marlhf demo: error: {error}") from None
+    except ValueError as error:  # a bad option: a usage error like the trainers' (exit 2), naming the command
+        raise MarlhfError(f"demo: {error}") from None
     run_demo(config)
     return 0
 

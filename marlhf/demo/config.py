@@ -72,6 +72,8 @@ class DemoConfig(ConfigBase):
         super().validate()
         if len(set(self.seeds)) != len(self.seeds) or not self.seeds:
             raise ValueError(f"seeds must be distinct and not empty, got {self.seeds}")
+        if not all(0 <= seed < 2**32 for seed in self.seeds):  # what torch and numpy accept
+            raise ValueError(f"seeds must be 0 to 2**32 - 1, got {self.seeds}")
         if self.ppo_batch_size % 2:
             raise ValueError(f"ppo_batch_size must be even (two PPO mini-batches), got {self.ppo_batch_size}")
         methods = [parse_termination(spec)[0] for spec in self.terminations]

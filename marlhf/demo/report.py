@@ -20,9 +20,10 @@ from marlhf.logging_utils import METRICS_FILE
 BASELINE = "ppo"
 FINAL_KEYS = ("gold_reward", "rm_reward", "kl")
 STUDY_II = ("What a larger test found: Study II (docs/studies/lambda.md; 3 tasks, 8 seeds on 2 builds, tuned "
-            "token-level baselines, equal KL) found MA-PPO (n = 5, `first`) and token-level PPO level at lambda 1 in "
-            "every task and set-up: on these tasks macro actions add nothing beyond a tuned lambda. Two seeds on one "
-            "build, as here, cannot tell differences of that size apart.")
+            "token-level baselines, equal KL) detected no difference between MA-PPO (n = 5, `first`) and token-level "
+            "PPO at lambda 1 in any task and set-up; its simultaneous 95 % intervals exclude differences beyond "
+            "±0.020 to ±0.062 gold by group, smaller ones it cannot rule out. Two seeds on one build, as here, cannot "
+            "tell differences of that size apart.")
 SMOKE_TEST_NOTE = ("smoke test (--quick): a few steps on one seed to check that the pipeline runs; its figures are "
                    "not results (run without --quick for those)")
 

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from marlhf.errors import MarlhfError
+
 
 def _number(minimum: float, kind: type = float) -> Callable[[str], float]:
     """An argparse type: a finite `kind` >= minimum (argparse names the flag when it refuses one)."""
@@ -111,9 +113,16 @@ def _human_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the side each response is shown on (default: 0)")
     parser.add_argument("--annotator", default="", help="name stored with each choice")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to serve on (default: 8000; 0: any free port)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to serve on (default: 8000; 0: any free port)")
     parser.add_argument("--summary", nargs="+", metavar="CHOICES", default=None,
                         help="instead of serving: win rate of one or two choices files and, for two, their agreement")
+
+
+def _port(text: str) -> int:
+    """A TCP port number, 0 to 65535 (argparse names the option on a bad one)."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 def _run_human_eval(arguments: argparse.Namespace) -> int:
@@ -124,7 +133,7 @@ def _run_human_eval(arguments: argparse.Namespace) -> int:
         print(json.dumps(summarize_choices(arguments.summary), indent=2))
         return 0
     if not (arguments.a and arguments.b and arguments.out):
-        raise SystemExit("marlhf human-eval: --a, --b and --out are required (or --summary CHOICES...)")
+        raise MarlhfError("human-eval: --a, --b and --out are required (or --summary CHOICES...)")
     session = HumanEvalSession(*load_pairs(arguments.a, arguments.b), arguments.out, seed=arguments.seed,
                                annotator=arguments.annotator)
     serve(session, arguments.host, arguments.port)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from marlhf.data.records import read_jsonl
+from marlhf.errors import MarlhfError
 from marlhf.evaluation.judge import a_shown_first, summarize_winners
 
 CHOICES = {"left", "right", "tie"}
@@ -138,7 +139,11 @@ def make_server(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 
         def log_message(self, *args: Any) -> None:  # one line per click would drown the terminal
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    try:
+        return ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:  # address in use, not this machine's, no permission for a low port
+        raise MarlhfError(f"cannot serve on {host}:{port}: {error.strerror or error}; choose another --port "
+                          "(0: any free one) or --host") from error
 
 
 def serve(session: HumanEvalSession, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
 
+from marlhf.data.records import numbered_jsonl
 from marlhf.errors import MarlhfError
 
 Preference = Literal["first", "second", "tie", "invalid"]  # "invalid": the judge's answer could not be parsed
@@ -130,12 +131,18 @@ class ChatJudge:
 
         # The first failure in time ends the run: no request starts after it and the ones in flight stop before
         # their next try, instead of each spending its own time limit on the same endpoint.
+        # The failure that stopped the others is the one to report: as_completed yields the futures that had
+        # already ended in no particular order, so the first one raised may be another's "stopped".
+        first_failure: list[BaseException] = []
+
         def complete_unless_stopped(message: str) -> str:
             if self._stop.is_set():
                 raise MarlhfError(f"judge endpoint {self.endpoint}: not sent, another request gave up")
             try:
                 return self.complete(message)
-            except BaseException:
+            except BaseException as error:
+                if not self._stop.is_set():
+                    first_failure.append(error)
                 self._stop.set()
                 raise
 
@@ -144,9 +151,11 @@ class ChatJudge:
             try:
                 for future in tqdm(as_completed(index), total=len(index), desc="judge", disable=None):
                     replies[index[future]] = future.result()
-            except BaseException:  # a failure, or Ctrl-C in this thread
+            except BaseException as error:  # a failure, or Ctrl-C in this thread
                 self._stop.set()
                 pool.shutdown(cancel_futures=True)
+                if isinstance(error, Exception) and first_failure and error is not first_failure[0]:
+                    raise first_failure[0] from None
                 raise
         return [parse_preference(reply) for reply in replies]
 
@@ -289,16 +298,12 @@ def summarize_winners(winners: Sequence[str]) -> dict[str, Any]:
 def read_responses(path: str | Path) -> dict[str, str]:
     """prompt -> response from a JSONL of {"prompt", "response", ...} lines (what `marlhf evaluate` writes)."""
     responses: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("response"), str):
-                raise ValueError(f"{path}:{line_number}: each line needs string fields 'prompt' and 'response'")
-            if row["prompt"] in responses:
-                raise ValueError(f"{path}:{line_number}: prompt repeated (one response per prompt is compared)")
-            responses[row["prompt"]] = row["response"]
+    for line_number, row in numbered_jsonl(path):
+        if not isinstance(row.get("prompt"), str) or not isinstance(row.get("response"), str):
+            raise ValueError(f"{path}:{line_number}: each line needs string fields 'prompt' and 'response'")
+        if row["prompt"] in responses:
+            raise ValueError(f"{path}:{line_number}: prompt repeated (one response per prompt is compared)")
+        responses[row["prompt"]] = row["response"]
     return responses
 
 

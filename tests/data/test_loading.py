@@ -195,6 +195,21 @@ def test_a_file_without_usable_rows_raises(tmp_path):
         load_records(str(path), "eval", task="webgpt")
 
 
+def test_preference_pairs_without_a_preference_are_refused_or_counted(tmp_path, caplog):
+    """chosen == rejected gives log 2 and no gradient in the reward and DPO losses: all such pairs is an error,
+    some a warning with their count (a file of them trained silently at loss 0.6931 before)."""
+    pairs = [{"prompt": f"q{i}", "chosen": " a", "rejected": " a" if i < 3 else " b"} for i in range(8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs[:3]))
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: in every one of its 3 preference pairs chosen equals rejected"):
+        load_records(str(path), "rm")
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    with caplog.at_level(logging.WARNING, logger="marlhf.data.loading"):
+        assert load_records(str(path), "rm") == pairs  # kept as they are
+    assert "3 of 8 preference pairs (the first: record 0) have chosen equal to rejected" in caplog.text
+    assert load_records(str(path), "rl") == pairs  # other stages: no check
+
+
 # --- Hub ids: `datasets.load_dataset` replaced by the fixture, so no test touches the network ----------
 
 @pytest.mark.parametrize(

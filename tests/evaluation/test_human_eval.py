@@ -4,6 +4,7 @@ API (plain urllib: no client library needed)."""
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -227,3 +228,35 @@ def test_serve_stops_on_sigterm_and_gives_the_callers_handlers_back(tmp_path, ca
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ties"] == 0
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--port", "99999"], r"human-eval: argument --port: a port is a whole number from 0 to 65535, got '99999'"),
+    (["--port", "-1"], r"human-eval: argument --port: a port is a whole number from 0 to 65535, got '-1'"),
+    (["--port", "0", "--host", "192.0.2.1"], r"cannot serve on 192\.0\.2\.1:0: .*; choose another --port"),
+    ([], r"cannot serve on 127\.0\.0\.1:\d+: Address already in use; choose another --port \(0: any free one\)"),
+])
+def test_a_port_or_host_that_cannot_be_served_is_one_line(tmp_path, capsys, options, expected):
+    from marlhf.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    with socket.socket() as taken:  # a port in use (the last case serves on it)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = ["--port", str(taken.getsockname()[1])] if not options else []
+        try:
+            code = main(["human-eval", "--a", str(pairs), "--b", str(pairs), "--out", str(tmp_path / "c.jsonl"),
+                         *options, *port])
+        except SystemExit as usage_error:  # argparse's, for an option's value
+            code = usage_error.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert (code, len(lines)) == (2, 1)
+    assert re.match(rf"marlhf: error: {expected}", lines[0]), lines[0]
+
+
+def test_human_eval_without_its_files_is_one_line(capsys):
+    from marlhf.cli import main
+
+    assert main(["human-eval"]) == 2
+    assert capsys.readouterr().err.startswith("marlhf: error: human-eval: --a, --b and --out are required")

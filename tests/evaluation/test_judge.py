@@ -203,3 +203,31 @@ def test_an_answer_without_choices_is_one_line_and_not_cached(tmp_path, capsys, 
     code, err, _ = judge_command(tmp_path, capsys, stuck_server.url, "--max-workers", "1")
     assert code == 2 and "answered without a string choices[0].message.content ({'error': 'busy'})" in err, err
     assert not list((tmp_path / "cache").rglob("*.json"))  # a rerun asks again
+
+
+def test_the_failure_that_stopped_the_others_is_the_one_reported(monkeypatch):
+    """Futures that ended before as_completed looks are yielded in no particular order (under load, the stopped
+    ones first): the error is still the request that gave up, not another's 'stopped'."""
+    import concurrent.futures
+
+    from marlhf.errors import MarlhfError
+    from marlhf.evaluation import judge as judge_module
+
+    judge = judge_module.ChatJudge("http://127.0.0.1:9/v1", "m", max_workers=3)
+
+    def complete(message):
+        if message.endswith("#0"):
+            time.sleep(0.2)  # the others are waiting to retry
+            raise MarlhfError("the request that gave up")
+        judge._stop.wait(10)
+        raise MarlhfError("stopped, another request gave up")
+
+    def last_first(futures):
+        concurrent.futures.wait(futures)
+        return sorted(futures, key=futures.get, reverse=True)
+
+    monkeypatch.setattr(judge, "complete", complete)
+    monkeypatch.setattr(judge_module, "as_completed", last_first)
+    judge.template = "{prompt}{first}{second}"
+    with pytest.raises(MarlhfError, match="^the request that gave up$"):
+        judge.compare(["p"] * 3, ["a"] * 3, [f"#{i}" for i in range(3)])

@@ -87,13 +87,15 @@ def runs(request, one_process_run, two_process_run):
 
 def _assert_same_final_policy(expected_run: Path, run: Path) -> None:
     """Equal to float tolerance. Adam at lr 1e-2 magnifies the gradients' reduction-order differences (~1e-7) on
-    weights whose gradient is near 0: measured up to 9e-6 with lam 0.95 and 1.6e-5 with lam 1 (1 vs 2 processes,
-    DDP). Whitening per process instead of over all rows, the kind of bug this guards against, moves 74 % of the
-    weights, by up to 4e-2."""
+    weights whose gradient is near 0, and how much depends on the CPU's kernels: measured up to 9e-6 with lam 0.95
+    and 1.6e-5 with lam 1 on one machine, 1.1e-4 on one weight of 39,072 on an AMD EPYC (1 vs 2 processes, DDP).
+    Whitening per process instead of over all rows, the kind of bug this guards against, moves 74 % of the weights,
+    by up to 4e-2: so a few weights may pass 1e-4, none 1e-3."""
     expected, actual = load_file(str(expected_run / "model.safetensors")), load_file(str(run / "model.safetensors"))
     assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+    differences = torch.cat([(actual[name] - expected[name]).abs().flatten() for name in expected])
+    assert differences.max() < 1e-3, f"largest weight difference {differences.max():.2e}"
+    assert (differences > 1e-4).float().mean() < 1e-3, f"{(differences > 1e-4).sum()} weights differ by over 1e-4"
 
 
 def test_two_processes_train_like_one_with_the_doubled_batch(runs):
