@@ -22,7 +22,9 @@ class AdvantageBatch:
     num_samples_per_prompt: the group size, the samples of one prompt being consecutive rows (over all processes'
     rows, which gather_rows stacks); value_weighting: how a macro action's value is read from its tokens' values
     (marlhf.segments), the same for the critic's loss; gather_rows / own_rows: stack the rows of every process /
-    take this process's rows back (identities in one process)."""
+    take this process's rows back (identities in one process); response_ids: long [B, T], the sampled tokens;
+    logprobs: float [B, T], the sampling policy's log-probs of them at rollout time (the PPO ratio's
+    denominator); both None when the caller has none."""
 
     rewards: torch.Tensor
     values: torch.Tensor | None
@@ -33,6 +35,8 @@ class AdvantageBatch:
     value_weighting: ValueWeighting
     gather_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    response_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
 
 Estimate = Callable[[AdvantageBatch], "tuple[torch.Tensor, torch.Tensor | None]"]

@@ -18,10 +18,11 @@ Each step, top to bottom, is six stages over one `PPORun`; the first four fill t
      response);
   2. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
   3. `macro_actions`: segment the responses with the termination rule (marlhf.termination: fixed /
-     randomized n-grams, perplexity, parsing, word, or one of yours);
+     randomized n-grams, perplexity, parsing, word, low_prob, or one of yours);
   4. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
-     `termination="fixed", ngram=1` is token-level PPO), or a critic-free sequence estimator ("rloo",
-     "grpo", "reinforce") on the summed reward;
+     `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
+     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"), optionally kept only on
+     low-probability tokens (`advantage_mask_threshold`, SPO's mask);
   5. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
      the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
      gives a sequence-level ratio, `ngram=1` token-level ratios as in TRL's GRPO), clipped value loss on
@@ -59,7 +60,7 @@ import torch
 from tqdm.auto import tqdm
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
-from marlhf.advantages import kl_penalized_rewards, whiten
+from marlhf.advantages import kl_penalized_rewards, low_prob_advantage_mask, whiten
 from marlhf.data.records import prompt_records, require_fields
 from marlhf.engines import EngineContext, RolloutEngine, make_engine
 from marlhf.estimators import AdvantageBatch
@@ -191,7 +192,7 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
     rule, options = run.plugins["termination"]
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, options,
                               seed=_seed(config.seed, step), gather_rows=lambda x: gather_rows(accelerator, x),
-                              own_rows=lambda x: own_rows(accelerator, x, like=mask))
+                              own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
     segment_ids, stats = segment(rule, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
@@ -199,17 +200,21 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
 
 
 def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
-    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked. Batch statistics
-    (baselines, whitening) are taken over the rows of all processes."""
+    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
+    the tokens sampled with probability below `advantage_mask_threshold` if set (SPO's mask; after whitening, which
+    would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     estimator, options = run.plugins["advantage"]
     advantages, returns = estimator.obj(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
-        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask)))
+        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
+        response_ids=experience.response_ids, logprobs=experience.logprobs))
     if config.whiten_advantages:
         all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
         advantages = own_rows(accelerator, all_advantages, like=mask)
+    if config.advantage_mask_threshold is not None:
+        advantages = low_prob_advantage_mask(advantages, experience.logprobs, mask, config.advantage_mask_threshold)
     return dataclasses.replace(experience, advantages=advantages, returns=returns)
 
 
