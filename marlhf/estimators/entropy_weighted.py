@@ -28,8 +28,9 @@ class EntropyWeightedOptions:
 @register_estimator("entropy_weighted", needs_critic=False, min_samples_per_prompt=2,
                     options=EntropyWeightedOptions)
 def entropy_weighted(batch: AdvantageBatch) -> tuple[torch.Tensor, None]:
-    """marlhf.advantages.entropy_weighted over all processes' rows. A response's outcome is its summed reward, score
-    minus the KL penalty, as `grpo`'s (`rewards.sum(1)`); its tokens' entropies are -logprobs (module docstring)."""
+    """GTPO / GRPO-S (marlhf.advantages.entropy_weighted) over all processes' rows, each token's entropy estimated by
+    -logprobs, the sampled token's surprisal (not the full distribution's entropy). A response's outcome is its
+    summed reward, score minus the KL penalty, as `grpo`'s (`rewards.sum(1)`)."""
     if batch.logprobs is None:
         raise ValueError("advantage 'entropy_weighted' needs the sampling log-probs (AdvantageBatch.logprobs)")
     o = batch.options

@@ -19,8 +19,9 @@ class PrefixTreeOptions:
 
 @register_estimator("prefix_tree", needs_critic=False, min_samples_per_prompt=2, options=PrefixTreeOptions)
 def prefix_tree(batch: AdvantageBatch) -> tuple[torch.Tensor, None]:
-    """marlhf.advantages.prefix_tree_advantages over all processes' rows (a group's rows may lie on two processes).
-    A response's outcome is its summed reward, score minus the KL penalty, as `grpo`'s (`rewards.sum(1)`)."""
+    """TEMPO: GRPO's advantage plus the prefix tree's TD correction where the group branches
+    (marlhf.advantages.prefix_tree_advantages), over all processes' rows, so a group split over processes is one
+    tree. A response's outcome is its summed reward, score minus the KL penalty, as `grpo`'s (`rewards.sum(1)`)."""
     if batch.response_ids is None:
         raise ValueError("advantage 'prefix_tree' needs the sampled tokens (AdvantageBatch.response_ids)")
     totals = batch.gather_rows(batch.rewards.sum(dim=1))

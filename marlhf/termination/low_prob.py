@@ -28,7 +28,8 @@ class LowProbOptions:
 
 @register_termination("low_prob", options=LowProbOptions, reads_reference=False)
 def low_prob(batch: SegmentationBatch) -> torch.Tensor:
-    """marlhf.segments.low_prob_cutpoints of the rollout's log-probs (batch.logprobs, the ratio's denominator)."""
+    """SPO's cutpoints: a macro action starts at each token sampled with probability below `threshold`
+    (marlhf.segments.low_prob_cutpoints of batch.logprobs, the rollout's log-probs that the PPO ratio divides by)."""
     if batch.logprobs is None:
         raise ValueError("termination 'low_prob' needs the sampling policy's log-probs (SegmentationBatch.logprobs)")
     o = batch.options

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import marlhf.trainers.ppo as ppo
-from marlhf.advantages import entropy_weighted, grpo, prefix_tree_advantages
+from marlhf.advantages import entropy_weighted, grpo, prefix_tree_advantages, whiten
 from marlhf.estimators import ESTIMATORS, AdvantageBatch
 from marlhf.logging_utils import read_metrics
 from marlhf.segments import low_prob_cutpoints
@@ -28,8 +28,12 @@ def _train(tmp_path, monkeypatch, models, stage: str, **options) -> list[tuple]:
     """Two PPO steps; returns (experience in, experience out) of the stage `stage` of marlhf.trainers.ppo per step."""
     seen = []
     real = getattr(ppo, stage)
-    monkeypatch.setattr(ppo, stage, lambda run, experience, *args: seen.append(
-        (experience, real(run, experience, *args))) or seen[-1][1])
+
+    def recorded(run, experience, *args):
+        seen.append((experience, real(run, experience, *args)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(ppo, stage, recorded)
     make_policy, tokenizer = models
     train_ppo(_config(tmp_path, max_steps=2, **options), RECORDS, policy=make_policy(), tokenizer=tokenizer,
               reward_fn=count_e)
@@ -38,6 +42,11 @@ def _train(tmp_path, monkeypatch, models, stage: str, **options) -> list[tuple]:
     assert all(torch.isfinite(torch.tensor(list(m.values()))).all() for m in metrics)
     assert len(seen) == 2
     return seen
+
+
+def ppo_config_of(**options) -> PPOConfig:
+    """A config to read traits and options off (no run)."""
+    return PPOConfig(model_name_or_path="unused", kl_coef=0.0, **options)
 
 
 @pytest.fixture
@@ -57,14 +66,10 @@ def test_low_prob_segments_are_the_cutpoints_of_the_rollout_logprobs(tmp_path, m
     assert ppo_config_of(termination="low_prob").uses_reference is False  # reads the policy's, not the reference's
 
 
-def ppo_config_of(**options) -> PPOConfig:
-    return PPOConfig(model_name_or_path="unused", kl_coef=0.0, **options)
-
-
 @pytest.mark.parametrize("normalize_std", [True, False])
 def test_prefix_tree_in_ppo_is_the_pure_function(tmp_path, monkeypatch, models, normalize_std):
-    seen = _train(tmp_path, monkeypatch, models, "estimate_advantages", advantage="prefix_tree", num_samples_per_prompt=2,
-                  mini_batch_size=8, advantage_options={"normalize_std": normalize_std})
+    seen = _train(tmp_path, monkeypatch, models, "estimate_advantages", advantage="prefix_tree",
+                  num_samples_per_prompt=2, mini_batch_size=8, advantage_options={"normalize_std": normalize_std})
     for before, after in seen:
         expected = prefix_tree_advantages(before.rewards.sum(1), before.response_ids, before.response_mask, 2,
                                           normalize_std=normalize_std)
@@ -95,7 +100,7 @@ def test_the_probability_mask_zeroes_exactly_the_high_probability_tokens(tmp_pat
     for before, after in seen:
         mask = before.response_mask
         unmasked = torch.where(mask, grpo(before.rewards.sum(1), 2)[:, None], 0.0)
-        unmasked = ppo.whiten(unmasked, mask)
+        unmasked = whiten(unmasked, mask)
         low = mask & (before.logprobs.double().exp() < SPLIT)
         assert torch.equal(after.advantages, torch.where(low, unmasked, 0.0))
         assert (unmasked[low] != 0).any() and (unmasked[mask & ~low] != 0).any()  # both sides are tested
