@@ -15,8 +15,9 @@ critic's values; `ngram=1` is token-level GAE; its options are gamma and the lam
 sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give every token of a response the
 advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
 `prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
-GRPO-S, `entropy_weighted.py`: from the sampling log-probs, `logprobs`), on the same summed reward. A new one, with
-options of its own, is one file:
+GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
+estimator registered with `reads_entropy=True`), on the same summed reward. A new one, with options of its own, is
+one file:
 
     @dataclasses.dataclass
     class MyOptions:

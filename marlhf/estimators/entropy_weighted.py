@@ -1,9 +1,6 @@
 """`entropy_weighted`: GTPO's token-level entropy weighting of the group-relative reward (Dynamic Entropy Weighting,
-arXiv 2508.04349), GRPO-S with `level: sequence`. Critic-free.
-
-The entropy is the single-sample estimate -log pi(y_t) of the sampled token under the sampling policy (the rollout's
-log-probs, the PPO ratio's denominator), not the entropy of the full distribution that the paper uses: noisier per
-token, and its mean is that entropy only when sampling is not truncated (top_k 0, top_p 1)."""
+arXiv 2508.04349), GRPO-S with `level: sequence`. Critic-free. It reads the sampling policy's entropy at each token
+(`reads_entropy`), which PPO takes from the forward that gives the ratio's denominator."""
 
 from __future__ import annotations
 
@@ -26,17 +23,16 @@ class EntropyWeightedOptions:
 
 
 @register_estimator("entropy_weighted", needs_critic=False, min_samples_per_prompt=2,
-                    options=EntropyWeightedOptions)
+                    options=EntropyWeightedOptions, reads_entropy=True)
 def entropy_weighted(batch: AdvantageBatch) -> tuple[torch.Tensor, None]:
-    """GTPO / GRPO-S (marlhf.advantages.entropy_weighted) over all processes' rows, each token's entropy estimated by
-    -logprobs, the sampled token's surprisal (not the full distribution's entropy). A response's outcome is its
-    summed reward, score minus the KL penalty, as `grpo`'s (`rewards.sum(1)`)."""
-    if batch.logprobs is None:
-        raise ValueError("advantage 'entropy_weighted' needs the sampling log-probs (AdvantageBatch.logprobs)")
+    """GTPO / GRPO-S (marlhf.advantages.entropy_weighted) over all processes' rows, from the sampling policy's
+    entropy at each token. A response's outcome is its summed reward, score minus the KL penalty, as `grpo`'s
+    (`rewards.sum(1)`)."""
+    if batch.entropy is None:
+        raise ValueError("advantage 'entropy_weighted' needs the sampling policy's entropy (AdvantageBatch.entropy)")
     o = batch.options
     totals = batch.gather_rows(batch.rewards.sum(dim=1))
-    mask = batch.gather_rows(batch.mask)
-    entropy = torch.where(mask, -batch.gather_rows(batch.logprobs), 0.0)
+    mask, entropy = batch.gather_rows(batch.mask), batch.gather_rows(batch.entropy)
     advantages = entropy_weighted_advantages(totals, entropy, mask, batch.num_samples_per_prompt, o.level, o.alpha1,
                                              o.alpha2, o.success_threshold)
     return batch.own_rows(advantages), None

@@ -122,8 +122,8 @@ class PPOConfig(TrainingConfig):
     reward_weights: tuple[float, ...] | None = option(None, "weights of reward_fns (none: 1 each)")
     advantage: str = option(
         "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; "
-               "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, each "
-               "token's entropy estimated by -log-prob of its sampled token (not the full distribution's); an "
+               "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, from the "
+               "policy's entropy at each token (computed only for it, in the scoring forward); an "
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
@@ -261,6 +261,11 @@ class PPOConfig(TrainingConfig):
             if self.logprob_temperature == "raw":
                 raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
                                  "logits / temperature)")
+        if self.plugin("advantage").reads_entropy and self.rollout_logprobs == "sampling" and not \
+                self.reuses_rollout_forward:
+            raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
+                             "trainer's forward gives and rollout_logprobs='sampling' skips: use "
+                             "rollout_logprobs='recompute'")
         if self.tis_cap is not None and "tis_cap" not in self.plugin("policy_loss").option_names:
             raise ValueError(f"tis_cap is an option of the ppo policy loss; policy_loss={self.policy_loss!r} does "
                              "not take it")

@@ -1,11 +1,12 @@
 """Issue 37's plug-ins in PPO: the termination rule `low_prob` (SPO's cutpoints), the estimators `prefix_tree`
-(TEMPO) and `entropy_weighted` (GTPO / GRPO-S), and SPO's probability mask for any estimator
+(TEMPO) and `entropy_weighted` (GTPO / GRPO-S, from the policy's entropy at each token), and SPO's probability mask for any estimator
 (`advantage_mask_threshold`). Each trains two steps on the tiny model, and what it computes inside the trainer
 equals its pure function (marlhf.segments, marlhf.advantages) on the step's own tensors."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import marlhf.trainers.ppo as ppo
 from marlhf.advantages import entropy_weighted, grpo, prefix_tree_advantages, whiten
 from marlhf.estimators import ESTIMATORS, AdvantageBatch
 from marlhf.logging_utils import read_metrics
+from marlhf.rollout import response_logprobs_and_entropy, score_responses
 from marlhf.segments import low_prob_cutpoints
 from marlhf.termination import TERMINATION_RULES, SegmentationBatch, segment
 from marlhf.trainers.ppo import PPOConfig, train_ppo
@@ -78,18 +80,47 @@ def test_prefix_tree_in_ppo_is_the_pure_function(tmp_path, monkeypatch, models, 
     assert not ppo_config_of(advantage="prefix_tree", num_samples_per_prompt=2).uses_critic
 
 
-@pytest.mark.parametrize("options", [{}, {"level": "sequence", "alpha1": 2.0, "alpha2": 0.5, "success_threshold": 0.0}])
-def test_entropy_weighted_in_ppo_is_the_pure_function_of_minus_logprobs(tmp_path, monkeypatch, models, options):
+@pytest.mark.parametrize("options", [
+    dict(mini_batch_size=4),
+    dict(mini_batch_size=8, advantage_options={"level": "sequence", "alpha1": 2.0, "alpha2": 0.5,
+                                               "success_threshold": 0.0}),  # one update: the forward is reused
+])
+def test_entropy_weighted_in_ppo_is_the_pure_function_of_the_policys_entropy(tmp_path, monkeypatch, models, options):
     seen = _train(tmp_path, monkeypatch, models, "estimate_advantages", advantage="entropy_weighted",
-                  num_samples_per_prompt=2, mini_batch_size=8, advantage_options=options)
-    config = ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, advantage_options=options)
+                  num_samples_per_prompt=2, **options)
+    config = ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, **options)
     o = config.plugin_options("advantage")
-    for before, after in seen:
+    policy, tokenizer = models[0](), models[1]
+    for step, (before, after) in enumerate(seen):
         mask = before.response_mask
-        entropy = torch.where(mask, -before.logprobs, 0.0)
-        expected = entropy_weighted(before.rewards.sum(1), entropy, mask, 2, o.level, o.alpha1, o.alpha2,
+        expected = entropy_weighted(before.rewards.sum(1), before.entropy, mask, 2, o.level, o.alpha1, o.alpha2,
                                     o.success_threshold)
         assert torch.equal(after.advantages, expected) and after.advantages.abs().sum() > 0
+        if step == 0:  # the initial policy's entropy, from its logits at the scoring temperature
+            inputs = (before.query_ids, before.query_mask, before.response_ids, mask)
+            logprobs, entropy = response_logprobs_and_entropy(policy, *inputs, temperature=config.temperature)
+            torch.testing.assert_close(before.entropy, entropy)
+            torch.testing.assert_close(before.logprobs, logprobs)
+            assert (entropy[mask] > 0).all() and (entropy[mask] <= math.log(len(tokenizer)) + 1e-4).all()
+            assert not torch.allclose(before.entropy[mask], -before.logprobs[mask])  # not the sampled surprisal
+
+
+def test_entropy_is_the_distributions_and_kept_only_when_read(make_tiny_causal_lm, tiny_tokenizer):
+    policy = make_tiny_causal_lm().eval()
+    query = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[False, True, True], [True, True, True]])
+    response = torch.tensor([[10, 11, 0], [12, 13, 14]]), torch.tensor([[True, True, False], [True, True, True]])
+    scores = lambda prompts, responses: [0.0] * len(responses)  # noqa: E731
+    common = dict(ref=None, temperature=0.7, reward_fn=scores, prompts=["a", "b"], tokenizer=tiny_tokenizer,
+                  chunk_size=1)
+    kept = score_responses(*query, *response, policy=policy, with_entropy=True, **common)
+    assert score_responses(*query, *response, policy=policy, **common).entropy is None
+    logits = policy(input_ids=torch.cat([query[0], response[0]], 1)).logits  # no padding inside row 1
+    probs = (logits[1, 2:-1] / 0.7).softmax(-1)
+    torch.testing.assert_close(kept.entropy[1], -(probs * probs.log()).sum(-1))
+    assert kept.entropy[0, 2] == 0  # padding
+    with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
+        ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, rollout_logprobs="sampling",
+                      mini_batch_size=4, per_device_batch_size=4)
 
 
 def test_the_probability_mask_zeroes_exactly_the_high_probability_tokens(tmp_path, monkeypatch, models):
@@ -114,7 +145,7 @@ def test_estimators_gather_every_process_rows():
     ids = torch.where(mask, torch.randint(0, 3, mask.shape, generator=g), 0)
     ids[1, :2] = ids[0, :2]  # two of the group of rows 0 to 2 share a prefix
     fields = {"rewards": torch.where(mask, torch.randn(mask.shape, generator=g), 0.0), "mask": mask,
-              "response_ids": ids, "logprobs": torch.where(mask, -3 * torch.rand(mask.shape, generator=g), 0.0)}
+              "response_ids": ids, "entropy": torch.where(mask, 3 * torch.rand(mask.shape, generator=g), 0.0)}
     for name in ("prefix_tree", "entropy_weighted"):
         estimator = ESTIMATORS[name]
         whole, _ = estimator.obj(_advantage_batch(estimator, fields, slice(None), lambda x: x, lambda x: x))
@@ -137,7 +168,7 @@ def _advantage_batch(estimator, fields, rows, gather, own) -> AdvantageBatch:
     mask = fields["mask"][rows]
     return AdvantageBatch(fields["rewards"][rows], None, mask, mask.long().cumsum(1).sub(1).masked_fill(~mask, -1),
                           estimator.options(), num_samples_per_prompt=3, value_weighting="first", gather_rows=gather,
-                          own_rows=own, response_ids=fields["response_ids"][rows], logprobs=fields["logprobs"][rows])
+                          own_rows=own, response_ids=fields["response_ids"][rows], entropy=fields["entropy"][rows])
 
 
 def test_options_are_checked_in_one_line_and_listed_in_help():
@@ -160,7 +191,7 @@ def test_options_are_checked_in_one_line_and_listed_in_help():
     for listed in ("low_prob (threshold=0.9, interval=1, min_tokens=None, max_tokens=None)",
                    "prefix_tree (normalize_std=True)",
                    "entropy_weighted (level='token', alpha1=1.0, alpha2=0.1, success_threshold=0.5)",
-                   "--advantage_mask_threshold", "-log-prob"):
+                   "--advantage_mask_threshold", "entropy at each token"):
         assert listed in usage, listed
 
 
