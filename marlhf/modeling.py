@@ -327,8 +327,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: in
         chunk = logits[start:start + chunk_size].float()
         if temperature != 1.0:
             chunk = chunk / temperature
-        logp = chunk.log_softmax(dim=-1)
-        pieces.append(-(logp.exp() * logp).sum(dim=-1))
+        pieces.append(torch.special.entr(chunk.softmax(dim=-1)).sum(dim=-1))  # -p log p, 0 where p = 0
     return torch.cat(pieces, dim=0)
 
 

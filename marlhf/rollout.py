@@ -186,9 +186,9 @@ def score_responses(
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
     `values`. `with_entropy` also keeps the policy's entropy at each token from its forward (or takes `entropy`,
-    given with `logprobs`). Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to `reward_fn`
-    as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a time (None: all), rows of
-    similar length together with their common padding cut (forward_in_chunks)."""
+    given with `logprobs`). Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to
+    `reward_fn` as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a
+    time (None: all), rows of similar length together with their common padding cut (forward_in_chunks)."""
     if (policy is None) == (logprobs is None):
         raise ValueError("give exactly one of `policy` and `logprobs`")
     if with_entropy and (policy is None) == (entropy is None):

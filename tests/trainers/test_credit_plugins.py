@@ -1,6 +1,6 @@
 """Issue 37's plug-ins in PPO: the termination rule `low_prob` (SPO's cutpoints), the estimators `prefix_tree`
-(TEMPO) and `entropy_weighted` (GTPO / GRPO-S, from the policy's entropy at each token), and SPO's probability mask for any estimator
-(`advantage_mask_threshold`). Each trains two steps on the tiny model, and what it computes inside the trainer
+(TEMPO) and `entropy_weighted` (GTPO / GRPO-S, from the policy's entropy at each token), and SPO's probability mask
+for any estimator (`advantage_mask_threshold`). Each trains two steps on the tiny model, and what it computes inside the trainer
 equals its pure function (marlhf.segments, marlhf.advantages) on the step's own tensors."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import marlhf.trainers.ppo as ppo
 from marlhf.advantages import entropy_weighted, grpo, prefix_tree_advantages, whiten
 from marlhf.estimators import ESTIMATORS, AdvantageBatch
 from marlhf.logging_utils import read_metrics
+from marlhf.modeling import token_entropy
 from marlhf.rollout import response_logprobs_and_entropy, score_responses
 from marlhf.segments import low_prob_cutpoints
 from marlhf.termination import TERMINATION_RULES, SegmentationBatch, segment
@@ -118,6 +119,7 @@ def test_entropy_is_the_distributions_and_kept_only_when_read(make_tiny_causal_l
     probs = (logits[1, 2:-1] / 0.7).softmax(-1)
     torch.testing.assert_close(kept.entropy[1], -(probs * probs.log()).sum(-1))
     assert kept.entropy[0, 2] == 0  # padding
+    assert token_entropy(torch.tensor([[[0.0, 0.0, -math.inf]]])).item() == pytest.approx(math.log(2))  # no NaN
     with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
         ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, rollout_logprobs="sampling",
                       mini_batch_size=4, per_device_batch_size=4)
