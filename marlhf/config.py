@@ -53,7 +53,7 @@ def option(default: Any, help: str, *, gt: float | None = None, ge: float | None
     return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
 
 
-def _check_bounds(name: str, value: Any, bounds: dict[str, float | None]) -> None:
+def check_bounds(name: str, value: Any, bounds: dict[str, float | None]) -> None:
     if value is None:
         return
     values = value if isinstance(value, tuple) else (value,)
@@ -203,7 +203,7 @@ class ConfigBase:
         for f in dataclasses.fields(self):
             value = coerce_option(f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
-            _check_bounds(f.name, value, f.metadata.get("bounds", {}))
+            check_bounds(f.name, value, f.metadata.get("bounds", {}))
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -14,10 +14,14 @@ API:
     token_logprobs(logits [B, T, V], tokens [B, T], temperature=1.0, chunk_size=8) -> [B, T] float32
         log softmax(logits / temperature) at `tokens`, as gathered logit minus logsumexp, `chunk_size` rows at
         a time, so no [B, T, V] log-softmax of the whole batch is ever materialised.
+    token_entropy(logits [B, T, V], temperature=1.0, chunk_size=8) -> [B, T] float32, no gradient
+        entropy of softmax(logits / temperature) at each position, `chunk_size` rows at a time.
     sequence_logprobs(model, input_ids, attention_mask, num_tokens=None, temperature=1.0, chunk_size=8) -> [B, N]
         log-probs of the LAST num_tokens tokens of input_ids (default: every token after the first) under a
         causal LM; only num_tokens + 1 logit rows are computed (logits_to_keep). Rollout/PPO: input_ids =
         [left-padded prompt | right-padded response] and num_tokens = response length.
+    sequence_logprobs_and_entropy(same arguments) -> ([B, N], [B, N]): the same log-probs and, from the same
+        forward, the entropy of the distribution each token was drawn from (token_entropy).
     add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=LLAMA_ATTENTION) -> model with LoRA adapters
         (peft): a causal LM becomes a peft.PeftModel; a ScalarHeadModel keeps its class, its backbone gets the
         adapters and its head stays fully trainable. Only adapter (and head) parameters require grad.
@@ -316,8 +320,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(pieces, dim=0)
 
 
-def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      num_tokens: int | None = None, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
+    pieces = []
+    for start in range(0, logits.shape[0], chunk_size):
+        chunk = logits[start:start + chunk_size].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        pieces.append(torch.special.entr(chunk.softmax(dim=-1)).sum(dim=-1))  # -p log p, 0 where p = 0
+    return torch.cat(pieces, dim=0)
+
+
+def _sequence_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     num_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [B, N, V] that predict the last `num_tokens` tokens of input_ids, and those tokens [B, N]."""
     length = input_ids.shape[1]
     num_tokens = length - 1 if num_tokens is None else num_tokens
     if not 1 <= num_tokens < length:
@@ -325,7 +341,20 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask),
                    logits_to_keep=num_tokens + 1, use_cache=False).logits[:, :-1]
-    return token_logprobs(logits, input_ids[:, -num_tokens:], temperature, chunk_size)
+    return logits, input_ids[:, -num_tokens:]
+
+
+def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      num_tokens: int | None = None, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
+    logits, tokens = _sequence_logits(model, input_ids, attention_mask, num_tokens)
+    return token_logprobs(logits, tokens, temperature, chunk_size)
+
+
+def sequence_logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  num_tokens: int | None = None, temperature: float = 1.0,
+                                  chunk_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, tokens = _sequence_logits(model, input_ids, attention_mask, num_tokens)
+    return token_logprobs(logits, tokens, temperature, chunk_size), token_entropy(logits, temperature, chunk_size)
 
 
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,

@@ -31,7 +31,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from marlhf.config import coerce_option
+from marlhf.config import check_bounds, coerce_option
 from marlhf.errors import did_you_mean
 from marlhf.imports import import_function
 
@@ -71,8 +71,12 @@ class Plugin:
         if self.options is None:
             return None
         hints = typing.get_type_hints(self.options)
-        checked = {key: coerce_option(f"{self.kind} {self.name!r} option {key!r}", value, hints[key])
-                   for key, value in values.items()}
+        fields = {f.name: f for f in dataclasses.fields(self.options)}
+        checked = {}
+        for key, value in values.items():  # a field declared with marlhf.config.option has its bounds checked
+            label = f"{self.kind} {self.name!r} option {key!r}"
+            checked[key] = coerce_option(label, value, hints[key])
+            check_bounds(label, checked[key], fields[key].metadata.get("bounds", {}))
         return self.options(**checked)
 
     def describe(self) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from marlhf.modeling import ScalarHeadModel, sequence_logprobs
+from marlhf.modeling import ScalarHeadModel, sequence_logprobs, sequence_logprobs_and_entropy
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -37,6 +37,7 @@ class Rollout:
     scores: torch.Tensor  # [B] reward of each full response (reward model or reward function)
     query_lengths: list[int]  # prompt tokens of each row, on the host (row_lengths)
     response_lengths: list[int]  # response tokens of each row, on the host
+    entropy: torch.Tensor | None = None  # [B, T] the policy's entropy at each token, when asked for; else None
 
 
 
@@ -76,13 +77,15 @@ def length_sorted_chunks(query_lengths: Sequence[int], response_lengths: Sequenc
     return [order[start : start + chunk_size] for start in range(0, len(order), chunk_size)]
 
 
-def forward_in_chunks(forward: Callable[..., torch.Tensor], query_ids: torch.Tensor, query_mask: torch.Tensor,
-                      response_ids: torch.Tensor, response_mask: torch.Tensor, chunk_size: int | None = None,
-                      lengths: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+def forward_in_chunks(forward: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], query_ids: torch.Tensor,
+                      query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                      chunk_size: int | None = None, lengths: tuple[Sequence[int], Sequence[int]] | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`forward(query_ids, query_mask, response_ids, response_mask)` over length_sorted_chunks of the rows, each
     trimmed by trim_padding, put back in row order: `[B]` results as they are, `[rows, T']` per-token results
-    right-padded with 0 to `[B, T]`. `chunk_size` None: all rows at once. `lengths`: the rows' row_lengths, if
-    the caller has them (else read here)."""
+    right-padded with 0 to `[B, T]`; a forward that returns a tuple of such results gives the tuple of them.
+    `chunk_size` None: all rows at once. `lengths`: the rows' row_lengths, if the caller has them (else read
+    here)."""
     batch = (query_ids, query_mask, response_ids, response_mask)
     query_lengths, response_lengths = lengths if lengths is not None else row_lengths(query_mask, response_mask)
     chunks = length_sorted_chunks(query_lengths, response_lengths, chunk_size or query_ids.shape[0])
@@ -91,11 +94,14 @@ def forward_in_chunks(forward: Callable[..., torch.Tensor], query_ids: torch.Ten
         index = torch.tensor(rows, device=query_ids.device)
         output = forward(*trim_padding(*(x[index] for x in batch), [query_lengths[row] for row in rows],
                                        [response_lengths[row] for row in rows]))
-        if output.dim() == 2:
-            output = nn.functional.pad(output, (0, response_ids.shape[1] - output.shape[1]))
-        outputs.append(output)
-    order = torch.tensor([row for rows in chunks for row in rows], device=query_ids.device)
-    return torch.cat(outputs)[order.argsort()]
+        outputs.append(output if isinstance(output, tuple) else (output,))
+    order = torch.tensor([row for rows in chunks for row in rows], device=query_ids.device).argsort()
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(x, (0, response_ids.shape[1] - x.shape[1])) if x.dim() == 2 else x
+
+    results = tuple(torch.cat([padded(output[i]) for output in outputs])[order] for i in range(len(outputs[0])))
+    return results if isinstance(output, tuple) else results[0]
 
 
 def response_logprobs(
@@ -113,6 +119,22 @@ def response_logprobs(
     logprobs = sequence_logprobs(model, input_ids, attention_mask, num_tokens=response_ids.shape[1],
                                  temperature=temperature)
     return logprobs.masked_fill(~response_mask, 0.0)
+
+
+def response_logprobs_and_entropy(
+    model: nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_logprobs` and, from the same forward, the entropy `[B, T]` of softmax(logits / temperature) at each
+    response token (no gradient; 0 on padding)."""
+    input_ids, attention_mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    logprobs, entropy = sequence_logprobs_and_entropy(model, input_ids, attention_mask,
+                                                      num_tokens=response_ids.shape[1], temperature=temperature)
+    return logprobs.masked_fill(~response_mask, 0.0), entropy.masked_fill(~response_mask, 0.0)
 
 
 def response_values(
@@ -154,6 +176,8 @@ def score_responses(
     tokenizer=None,
     chunk_size: int | None = None,
     reward_kwargs: dict[str, list] | None = None,
+    with_entropy: bool = False,
+    entropy: torch.Tensor | None = None,
 ) -> Rollout:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
     reference log-probs (none when `ref` is None), critic values (when there is a critic) and one score per
@@ -161,11 +185,14 @@ def score_responses(
 
     The policy's log-probs come from `policy`, or are `logprobs` the caller already computed (PPO does, with
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
-    `values`. Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to `reward_fn`
-    as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a time (None: all), rows of
-    similar length together with their common padding cut (forward_in_chunks)."""
+    `values`. `with_entropy` also keeps the policy's entropy at each token from its forward (or takes `entropy`,
+    given with `logprobs`). Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to
+    `reward_fn` as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a
+    time (None: all), rows of similar length together with their common padding cut (forward_in_chunks)."""
     if (policy is None) == (logprobs is None):
         raise ValueError("give exactly one of `policy` and `logprobs`")
+    if with_entropy and (policy is None) == (entropy is None):
+        raise ValueError("`with_entropy` takes the entropy from `policy`'s forward, or as `entropy` with `logprobs`")
     if critic is not None and values is not None:
         raise ValueError("give at most one of `critic` and `values`")
     if (reward_model is None) == (reward_fn is None):
@@ -184,7 +211,9 @@ def score_responses(
     def run(forward: Callable[..., torch.Tensor]) -> torch.Tensor:
         return forward_in_chunks(forward, *batch, chunk_size=chunk_size, lengths=lengths)
 
-    if policy is not None:
+    if policy is not None and with_entropy:
+        logprobs, entropy = run(lambda *rows: response_logprobs_and_entropy(policy, *rows, temperature=temperature))
+    elif policy is not None:
         logprobs = run(lambda *rows: response_logprobs(policy, *rows, temperature=temperature))
     ref_logprobs = None
     if ref is not None:
@@ -200,4 +229,5 @@ def score_responses(
                               device=query_ids.device)
         if scores.shape != (len(responses),):
             raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
-    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths)
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths,
+                   entropy=entropy.detach() if with_entropy else None)

@@ -13,8 +13,11 @@ the estimator's `needs_critic`, and the fewest responses per prompt it works wit
 This package holds the registry (`base.py`) and the built-ins: `gae` (`gae.py`: macro GAE over segments, the
 critic's values; `ngram=1` is token-level GAE; its options are gamma and the lambda schedule), and the critic-free
 sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give every token of a response the
-advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does). A new one, with options of its
-own, is one file:
+advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
+`prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
+GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
+estimator registered with `reads_entropy=True`), on the same summed reward. A new one, with options of its own, is
+one file:
 
     @dataclasses.dataclass
     class MyOptions:
@@ -30,6 +33,8 @@ own, is one file:
 from marlhf.estimators.base import ESTIMATORS, REGISTRY, AdvantageBatch, Estimate, get_estimator, register_estimator
 from marlhf.estimators.gae import GAEOptions  # noqa: E402  (importing a built-in's file registers it)
 from marlhf.estimators.sequence import GRPOOptions  # noqa: E402
+from marlhf.estimators.prefix_tree import PrefixTreeOptions  # noqa: E402
+from marlhf.estimators.entropy_weighted import EntropyWeightedOptions  # noqa: E402
 
 __all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator", "GAEOptions",
-           "GRPOOptions"]
+           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions"]

@@ -22,7 +22,10 @@ class AdvantageBatch:
     num_samples_per_prompt: the group size, the samples of one prompt being consecutive rows (over all processes'
     rows, which gather_rows stacks); value_weighting: how a macro action's value is read from its tokens' values
     (marlhf.segments), the same for the critic's loss; gather_rows / own_rows: stack the rows of every process /
-    take this process's rows back (identities in one process)."""
+    take this process's rows back (identities in one process); response_ids: long [B, T], the sampled tokens (None
+    when the caller has none); entropy: float [B, T], the entropy of the sampling policy's distribution at each
+    token, from the forward that gives the PPO ratio's denominator (None unless the estimator is registered with
+    ``reads_entropy=True``)."""
 
     rewards: torch.Tensor
     values: torch.Tensor | None
@@ -33,18 +36,23 @@ class AdvantageBatch:
     value_weighting: ValueWeighting
     gather_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    response_ids: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 Estimate = Callable[[AdvantageBatch], "tuple[torch.Tensor, torch.Tensor | None]"]
-REGISTRY = Registry("advantage estimator", "advantage", needs_critic=True, min_samples_per_prompt=1)
+REGISTRY = Registry("advantage estimator", "advantage", needs_critic=True, min_samples_per_prompt=1,
+                    reads_entropy=False)
 ESTIMATORS: dict[str, Plugin] = REGISTRY.plugins
 
 
 def register_estimator(name: str, *, needs_critic: bool, min_samples_per_prompt: int = 1,
-                       options: type | None = None) -> Callable[[Estimate], Estimate]:
-    """Decorator: register an estimator under `name` (an error if the name is taken), with its options dataclass."""
+                       options: type | None = None, reads_entropy: bool = False) -> Callable[[Estimate], Estimate]:
+    """Decorator: register an estimator under `name` (an error if the name is taken), with its options dataclass.
+    `reads_entropy=True` asks PPO for `batch.entropy`, which costs a vocabulary-wide sum per token; without it
+    `batch.entropy` is None."""
     return REGISTRY.register(name, options=options, needs_critic=needs_critic,
-                             min_samples_per_prompt=min_samples_per_prompt)
+                             min_samples_per_prompt=min_samples_per_prompt, reads_entropy=reads_entropy)
 
 
 def get_estimator(spec: str) -> Plugin:

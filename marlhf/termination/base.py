@@ -24,7 +24,9 @@ class SegmentationBatch:
     when PPO runs without a reference); tokenizer: the policy's; options: the rule's own options (an instance
     of the dataclass it registered, None if it declared none); seed: a per-step seed for random rules;
     gather_rows / own_rows: stack the rows of every process / take this process's rows back, for rules that
-    must draw for all processes' rows at once (identity functions in a single process).
+    must draw for all processes' rows at once (identity functions in a single process); logprobs: float [B, T],
+    the sampling policy's log-probs of the sampled tokens at rollout time (the PPO ratio's denominator; None
+    when the caller has none).
     """
 
     response_ids: torch.Tensor
@@ -35,6 +37,7 @@ class SegmentationBatch:
     seed: int
     gather_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    logprobs: torch.Tensor | None = None
 
 
 Rule = Callable[[SegmentationBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"]

@@ -38,6 +38,8 @@ class Experience:
         rollout_logprobs: float [B, T] or None, the engine's own sampling log-probs, kept beside the trainer's
             `logprobs` when something compares them (`PPOConfig.compares_rollout_logprobs`: the
             rollout/logprob_diff metrics, truncated importance sampling)
+        entropy: float [B, T] or None, the sampling policy's entropy at each token, from the forward that gives
+            `logprobs`, kept when the estimator reads it (its `reads_entropy` trait)
     Stage 2 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
     Stage 3 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
     Stage 4 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic).
@@ -57,6 +59,7 @@ class Experience:
     attached_logprobs: torch.Tensor | None = None
     attached_values: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     kl_coef: float | None = None
     segment_ids: torch.Tensor | None = None
@@ -67,7 +70,8 @@ class Experience:
     # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
     _PROMPT_COLUMNS = ("query_ids", "query_mask")
     _RESPONSE_COLUMNS = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "values", "attached_logprobs",
-                         "attached_values", "rollout_logprobs", "rewards", "segment_ids", "advantages", "returns")
+                         "attached_values", "rollout_logprobs", "entropy", "rewards", "segment_ids", "advantages",
+                         "returns")
     _ROWS = ("scores",)
     _HOST_ROWS = ("prompt_rows", "query_lengths", "response_lengths")
 

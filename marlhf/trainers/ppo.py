@@ -15,13 +15,14 @@ Each step, top to bottom, is six stages over one `PPORun`; the first four fill t
 (marlhf.trainers.experience), `stage(run, experience) -> experience`:
   1. `make_experience`: sample `num_samples_per_prompt` responses per prompt with the rollout engine
      (marlhf.engines), score them (log-probs of policy and reference, critic values, one score per
-     response);
+     response; the policy's entropy at each token when the estimator reads it);
   2. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
   3. `macro_actions`: segment the responses with the termination rule (marlhf.termination: fixed /
-     randomized n-grams, perplexity, parsing, word, or one of yours);
+     randomized n-grams, perplexity, parsing, word, low_prob, or one of yours);
   4. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
-     `termination="fixed", ngram=1` is token-level PPO), or a critic-free sequence estimator ("rloo",
-     "grpo", "reinforce") on the summed reward;
+     `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
+     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"), optionally kept only on
+     low-probability tokens (`advantage_mask_threshold`, SPO's mask);
   5. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
      the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
      gives a sequence-level ratio, `ngram=1` token-level ratios as in TRL's GRPO), clipped value loss on
@@ -59,7 +60,7 @@ import torch
 from tqdm.auto import tqdm
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
-from marlhf.advantages import kl_penalized_rewards, whiten
+from marlhf.advantages import kl_penalized_rewards, low_prob_advantage_mask, whiten
 from marlhf.data.records import prompt_records, require_fields
 from marlhf.engines import EngineContext, RolloutEngine, make_engine
 from marlhf.estimators import AdvantageBatch
@@ -71,7 +72,8 @@ from marlhf.policy_losses import PolicyLossBatch
 from marlhf.metrics import row_l2, token_repetition
 from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora, pad_sequences
 from marlhf.rewards.functions import takes_record_fields
-from marlhf.rollout import RewardFn, response_logprobs, response_values, score_responses
+from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_values,
+                            score_responses)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.ppo_config import PLUGINS
@@ -138,6 +140,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached = None
     keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
+    with_entropy = run.plugins["advantage"][0].reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
         generation = run.engine.generate(
@@ -153,9 +156,12 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
         batch = (query_ids, query_mask, generation.response_ids, generation.response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
-            attached = (response_logprobs(run.policy, *batch, temperature=config.scoring_temperature),
-                        response_values(run.critic, *batch) if run.critic is not None else None)
-            model_outputs = dict(logprobs=attached[0], values=attached[1])
+            temperature = config.scoring_temperature
+            logprobs, entropy = (response_logprobs_and_entropy(run.policy, *batch, temperature=temperature)
+                                 if with_entropy else (response_logprobs(run.policy, *batch, temperature=temperature),
+                                                       None))
+            attached = (logprobs, response_values(run.critic, *batch) if run.critic is not None else None)
+            model_outputs = dict(logprobs=attached[0], values=attached[1], entropy=entropy)
         elif keeps_sampling_logprobs:
             model_outputs = dict(logprobs=generation.logprobs, critic=run.critic)
         else:
@@ -163,7 +169,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
         rollout = score_responses(
             *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
             reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
-            reward_kwargs=_record_fields(run, rows),
+            reward_kwargs=_record_fields(run, rows), with_entropy=with_entropy,
             chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
     clock["scoring"] = device_clock(device)
     experience = Experience.from_rollout(rollout, rows, attached)
@@ -191,7 +197,7 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
     rule, options = run.plugins["termination"]
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, options,
                               seed=_seed(config.seed, step), gather_rows=lambda x: gather_rows(accelerator, x),
-                              own_rows=lambda x: own_rows(accelerator, x, like=mask))
+                              own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
     segment_ids, stats = segment(rule, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
@@ -199,17 +205,21 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
 
 
 def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
-    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked. Batch statistics
-    (baselines, whitening) are taken over the rows of all processes."""
+    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
+    the tokens sampled with probability below `advantage_mask_threshold` if set (SPO's mask; after whitening, which
+    would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     estimator, options = run.plugins["advantage"]
     advantages, returns = estimator.obj(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
-        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask)))
+        gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
+        response_ids=experience.response_ids, entropy=experience.entropy))
     if config.whiten_advantages:
         all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
         advantages = own_rows(accelerator, all_advantages, like=mask)
+    if config.advantage_mask_threshold is not None:
+        advantages = low_prob_advantage_mask(advantages, experience.logprobs, mask, config.advantage_mask_threshold)
     return dataclasses.replace(experience, advantages=advantages, returns=returns)
 
 

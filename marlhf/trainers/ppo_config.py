@@ -95,7 +95,8 @@ class PPOConfig(TrainingConfig):
     # Macro actions.
     termination: str = option(
         "fixed", "macro-action termination rule: fixed, randomized, perplexity, parsing, word (one macro action per "
-                 "word, read off the tokenizer's vocabulary), another rule registered with "
+                 "word, read off the tokenizer's vocabulary), low_prob (SPO: one starts at each token sampled with "
+                 "probability below a threshold), another rule registered with "
                  "marlhf.termination.register_termination, or a dotted path package.module:function")
     ngram: int | None = option(
         5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
@@ -120,7 +121,9 @@ class PPOConfig(TrainingConfig):
             "logged as rewards/<name>")
     reward_weights: tuple[float, ...] | None = option(None, "weights of reward_fns (none: 1 each)")
     advantage: str = option(
-        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; an "
+        "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; "
+               "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, from the "
+               "policy's entropy at each token (computed only for it, in the scoring forward); an "
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
@@ -161,6 +164,10 @@ class PPOConfig(TrainingConfig):
         "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
                "values), or weighted like its value (released code: value_weighting's weights)")
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
+    advantage_mask_threshold: float | None = option(
+        None, "SPO's probability mask, for any estimator: keep a token's advantage only where the sampling policy "
+              "gave the sampled token probability below this, 0 elsewhere (after whitening; SPO: 0.9; none: off)",
+        ge=0, le=1)
 
     # Losses.
     policy_loss: str = option(
@@ -209,7 +216,8 @@ class PPOConfig(TrainingConfig):
                                    "num_samples_per_prompt",
                                    "grpo_normalize_std", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
                                    "gamma", "lam", "lam_critic", "lam_schedule", "lam_alpha", "critic_warmup_steps",
-                                   "value_weighting", "segment_reward", "whiten_advantages"),
+                                   "value_weighting", "segment_reward", "whiten_advantages",
+                                   "advantage_mask_threshold"),
         "losses": ("policy_loss", "policy_loss_options", "clip_range", "ratio_granularity", "segment_weighting",
                    "tis_cap", "loss_agg_mode", "value_clip_range",
                    "value_loss_granularity"),
@@ -253,6 +261,11 @@ class PPOConfig(TrainingConfig):
             if self.logprob_temperature == "raw":
                 raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
                                  "logits / temperature)")
+        if self.plugin("advantage").reads_entropy and self.rollout_logprobs == "sampling" and not \
+                self.reuses_rollout_forward:
+            raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
+                             "trainer's forward gives and rollout_logprobs='sampling' skips: use "
+                             "rollout_logprobs='recompute'")
         if self.tis_cap is not None and "tis_cap" not in self.plugin("policy_loss").option_names:
             raise ValueError(f"tis_cap is an option of the ppo policy loss; policy_loss={self.policy_loss!r} does "
                              "not take it")

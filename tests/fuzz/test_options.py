@@ -61,10 +61,12 @@ def test_every_option_refuses_invalid_values(command, name, no_runs):
 @pytest.mark.parametrize(("kind", "plugin", "name"), PLUGIN_OPTIONS, ids=["-".join(o) for o in PLUGIN_OPTIONS])
 def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs):
     """In the plug-in's block (`kind: {name: plugin, option: value}`) and in its `<kind>_options`; an option the
-    plug-in shares with PPOConfig has PPOConfig's bounds."""
+    plug-in shares with PPOConfig has PPOConfig's bounds, any other the bounds of its own field (declared with
+    marlhf.config.option)."""
     options = PLUGINS[kind].get(plugin).options
     ppo_fields = {f.name: f for f in dataclasses.fields(CONFIGS["ppo"])}
-    bounds = ppo_fields[name].metadata.get("bounds") if name in ppo_fields else None
+    own_field = next(f for f in dataclasses.fields(options) if f.name == name)
+    bounds = (ppo_fields[name] if name in ppo_fields else own_field).metadata.get("bounds")
     values = invalid_values(typing.get_type_hints(options)[name], bounds)
 
     @fuzz_settings(2)

@@ -76,10 +76,12 @@ def two_process_run(tmp_path_factory):
     return run
 
 
-# gae: critic, macro GAE, advantages whitened over all rows; reinforce: no critic, baseline = mean over all rows.
+# gae: critic, macro GAE, advantages whitened over all rows; reinforce: no critic, baseline = mean over all rows;
+# prefix_tree: no critic, each group's tree from the gathered token ids of all rows.
 # The reinforce runs sample with sampling_noise='counter_hash', the others with one generator per row.
 # fsdp: the policy and the critic sharded across the 2 processes (the run checks that they were).
-@pytest.fixture(scope="module", params=[("gae", "ddp"), ("reinforce", "ddp"), ("gae", "fsdp")], ids="-".join)
+@pytest.fixture(scope="module", params=[("gae", "ddp"), ("reinforce", "ddp"), ("prefix_tree", "ddp"), ("gae", "fsdp")],
+                ids="-".join)
 def runs(request, one_process_run, two_process_run):
     advantage, sharding = request.param
     return one_process_run(advantage), two_process_run(advantage, sharding)
