@@ -390,13 +390,14 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
                      eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
 
         train_steps(run, start_step, logger, (prepared, optimizers, schedulers))
-
-    logger.close()
-    trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
-    policy = accelerator.unwrap_model(policy)
-    if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
-        trained = policy = merge_lora(policy)
-    save_final_model(trained, tokenizer, config.output_dir, accelerator)
+        logger.close()
+        trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
+        policy = accelerator.unwrap_model(policy)
+        if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
+            trained = policy = merge_lora(policy)
+        # saved before the engine closes: vLLM's shutdown tears down the default process group that saving
+        # across processes waits on
+        save_final_model(trained, tokenizer, config.output_dir, accelerator)
     return policy
 
 
