@@ -30,6 +30,7 @@ own, is one file:
 from marlhf.estimators.base import ESTIMATORS, REGISTRY, AdvantageBatch, Estimate, get_estimator, register_estimator
 from marlhf.estimators.gae import GAEOptions  # noqa: E402  (importing a built-in's file registers it)
 from marlhf.estimators.sequence import GRPOOptions  # noqa: E402
+from marlhf.estimators.mc_segment import MCSegmentOptions  # noqa: E402
 
 __all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator", "GAEOptions",
-           "GRPOOptions"]
+           "GRPOOptions", "MCSegmentOptions"]
