@@ -26,9 +26,9 @@ class MCSegmentOptions:
     max_boundaries: int = 4  # kept boundaries per response, evenly spaced, the first always kept
 
     def __post_init__(self) -> None:
-        for name in ("mc_samples", "max_boundaries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"advantage 'mc_segment' option {name!r} must be >= 1, got {getattr(self, name)}")
+        for name, value in (("mc_samples", self.mc_samples), ("max_boundaries", self.max_boundaries)):
+            if value < 1:
+                raise ValueError(f"advantage estimator 'mc_segment' option {name!r} must be >= 1, got {value}")
 
 
 def mc_boundary_values(continue_and_score: ContinueAndScore, segment_ids: torch.Tensor, k: int) -> torch.Tensor:
