@@ -63,6 +63,7 @@ __all__ = [
     "grpo",
     "reinforce",
     "prefix_tree_advantages",
+    "mc_segment_advantages",
     "low_prob_advantage_mask",
     "entropy_shaped_rewards",
     "entropy_weighted",
@@ -320,6 +321,39 @@ def prefix_tree_advantages(
         advantages = advantages / (grouped.std(dim=1, keepdim=True)[..., None] + eps)
     advantages = advantages.reshape(mask.shape)
     return torch.where(mask, advantages, torch.zeros_like(advantages))
+
+
+def mc_segment_advantages(
+    boundary_values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor
+) -> torch.Tensor:
+    """Monte-Carlo macro-action advantages (VinePPO, arXiv 2410.01679; SPO-chain, arXiv 2505.23564): segment tau
+    of a row of m segments, starting at boundary t_tau, gets
+
+        A_tau = sum_{t in tau} r_t + V(t_{tau+1}) - V(t_tau),    V(t_m) = 0,
+
+    on every token, with V(t_tau) the Monte-Carlo estimate of the final score from the state before response token
+    t_tau (`boundary_values`). The rewards are the KL penalty on every token and the score added on the last, so
+    the last segment's is score - V(t_{m-1}) + its KL rewards and every other one's V(next) - V(its start) + its
+    KL rewards. It is macro GAE's TD error (gamma 1, lambda 0, `value_weighting="first"`) with the Monte-Carlo
+    values in place of the critic's.
+
+    Args:
+        boundary_values: float [B, S], V of each segment's start (slots past a row's last segment ignored).
+        rewards: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T], at most S segments per row.
+    Returns:
+        advantages: float [B, T], 0 on padding.
+    """
+    check_like(rewards, mask, "rewards")
+    check_segment_ids(segment_ids, mask)
+    if boundary_values.dim() != 2 or boundary_values.shape[0] != mask.shape[0]:
+        raise ValueError(f"`boundary_values` must be [B, S], B = {mask.shape[0]}, got {tuple(boundary_values.shape)}")
+    slots = boundary_values.shape[1]
+    if mask.any() and int(segment_ids.max()) >= slots:
+        raise ValueError(f"`segment_ids` has more segments than `boundary_values`' {slots} slots")
+    present = segment_lengths(segment_ids, slots) > 0
+    values = torch.where(present, boundary_values.to(rewards.dtype), 0.0)  # V(t_m) = 0 past the last segment
+    next_values = torch.cat([values[:, 1:], values.new_zeros(values.shape[0], 1)], dim=1)
+    return broadcast_segments(segment_sum(rewards, segment_ids, slots) + next_values - values, segment_ids)
 
 
 def low_prob_advantage_mask(

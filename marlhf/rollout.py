@@ -195,12 +195,7 @@ def score_responses(
         raise ValueError("`with_entropy` takes the entropy from `policy`'s forward, or as `entropy` with `logprobs`")
     if critic is not None and values is not None:
         raise ValueError("give at most one of `critic` and `values`")
-    if (reward_model is None) == (reward_fn is None):
-        raise ValueError("give exactly one of `reward_model` and `reward_fn`")
-    if reward_fn is not None and (prompts is None or tokenizer is None):
-        raise ValueError("`reward_fn` needs the `prompts` texts and a `tokenizer` to decode responses")
-    if prompts is not None and len(prompts) != query_ids.shape[0]:
-        raise ValueError(f"`prompts` has {len(prompts)} texts for {query_ids.shape[0]} rows")
+    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, query_ids.shape[0])
     batch = (query_ids, query_mask, response_ids, response_mask)
     for name, given in (("logprobs", logprobs), ("values", values)):
         if given is not None and given.shape != response_ids.shape:
@@ -221,13 +216,46 @@ def score_responses(
     if critic is not None:
         values = run(lambda *rows: response_values(critic, *rows))
     logprobs, values = logprobs.detach(), values.detach() if values is not None else None
-    if reward_model is not None:  # at the last real token of prompt + response
-        scores = run(lambda *rows: reward_model.score(*_sequence(*rows)))
-    else:
-        responses = decode_responses(tokenizer, response_ids, response_mask)
-        scores = torch.tensor([float(s) for s in reward_fn(prompts, responses, **(reward_kwargs or {}))],
-                              device=query_ids.device)
-        if scores.shape != (len(responses),):
-            raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
+    scores = response_scores(*batch, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts,
+                             tokenizer=tokenizer, chunk_size=chunk_size, reward_kwargs=reward_kwargs, lengths=lengths)
     return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths,
                    entropy=entropy.detach() if with_entropy else None)
+
+
+def _check_reward_source(reward_model, reward_fn, prompts, tokenizer, num_rows: int) -> None:
+    if (reward_model is None) == (reward_fn is None):
+        raise ValueError("give exactly one of `reward_model` and `reward_fn`")
+    if reward_fn is not None and (prompts is None or tokenizer is None):
+        raise ValueError("`reward_fn` needs the `prompts` texts and a `tokenizer` to decode responses")
+    if prompts is not None and len(prompts) != num_rows:
+        raise ValueError(f"`prompts` has {len(prompts)} texts for {num_rows} rows")
+
+
+@torch.no_grad()
+def response_scores(
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    reward_model: ScalarHeadModel | None = None,
+    reward_fn: RewardFn | None = None,
+    prompts: list[str] | None = None,
+    tokenizer=None,
+    chunk_size: int | None = None,
+    reward_kwargs: dict[str, list] | None = None,
+    lengths: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """One score per response `[B]`: `reward_model` at the last real token of prompt + response (`chunk_size` rows
+    at a time, forward_in_chunks; `lengths`: the rows' row_lengths if known), or, when given instead,
+    `reward_fn(prompts, decoded_responses, **reward_kwargs)` (score_responses' arguments)."""
+    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, query_ids.shape[0])
+    if reward_model is not None:
+        return forward_in_chunks(lambda *rows: reward_model.score(*_sequence(*rows)), query_ids, query_mask,
+                                 response_ids, response_mask, chunk_size=chunk_size, lengths=lengths)
+    responses = decode_responses(tokenizer, response_ids, response_mask)
+    scores = torch.tensor([float(s) for s in reward_fn(prompts, responses, **(reward_kwargs or {}))],
+                          device=query_ids.device)
+    if scores.shape != (len(responses),):
+        raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
+    return scores

@@ -35,6 +35,7 @@ __all__ = [
     "words",
     "word_starts",
     "split_last_token",
+    "keep_boundaries",
     "segment_sum",
     "segment_mean",
     "segment_lengths",
@@ -299,6 +300,24 @@ def split_last_token(segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     last_id = segment_ids.gather(1, last[:, None])
     shares = (lengths >= 2)[:, None] & (segment_ids.gather(1, prev[:, None]) == last_id)
     return segment_ids.scatter(1, last[:, None], last_id + shares.long())
+
+
+def keep_boundaries(segment_ids: torch.Tensor, max_boundaries: int) -> torch.Tensor:
+    """At most `max_boundaries` segments per row: a row of m > M = max_boundaries segments keeps the boundaries
+    (segment starts) of segments floor(i m / M), i = 0..M-1, evenly spaced in segment index with the first
+    always kept, and each kept boundary's segment absorbs the segments up to the next kept one. Segment s goes to
+    ceil((s + 1) M / m) - 1, the last kept boundary at or before it. Rows of at most M segments are unchanged.
+
+    Args:
+        segment_ids: long [B, T], -1 on padding; max_boundaries: M >= 1.
+    Returns:
+        long [B, T], the merged segments numbered 0, 1, ... per row, -1 on padding.
+    """
+    if max_boundaries < 1:
+        raise ValueError(f"`max_boundaries` must be >= 1, got {max_boundaries}")
+    counts = num_segments(segment_ids)[:, None]  # m per row, [B, 1]
+    merged = ((segment_ids + 1) * max_boundaries + counts - 1) // counts.clamp(min=1) - 1
+    return torch.where((counts > max_boundaries) & (segment_ids >= 0), merged, segment_ids)
 
 
 def _num_slots(segment_ids: torch.Tensor) -> int:

@@ -35,6 +35,7 @@ from marlhf.estimators.gae import GAEOptions  # noqa: E402  (importing a built-i
 from marlhf.estimators.sequence import GRPOOptions  # noqa: E402
 from marlhf.estimators.prefix_tree import PrefixTreeOptions  # noqa: E402
 from marlhf.estimators.entropy_weighted import EntropyWeightedOptions  # noqa: E402
+from marlhf.estimators.mc_segment import MCSegmentOptions  # noqa: E402
 
 __all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator", "GAEOptions",
-           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions"]
+           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions", "MCSegmentOptions"]

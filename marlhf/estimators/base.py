@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from marlhf.plugins import Plugin, Registry
 from marlhf.segments import ValueWeighting
 
-__all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator"]
+__all__ = ["AdvantageBatch", "ContinueAndScore", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator",
+           "get_estimator"]
+
+
+class ContinueAndScore(Protocol):
+    """The trainer's `continue_and_score(rows, prefix_lengths, k) -> scores`: for each n, `k` continuations of row
+    `rows[n]`'s prompt and its first `prefix_lengths[n]` response tokens, sampled by the run's rollout engine (all
+    in one call, each continuation from its own seed keyed by the run's seed, the step, its row, the prefix length
+    and its sample index) up to the run's response length, and the final score of each full response (prefix +
+    continuation), as the run scores its responses (reward model or reward functions, clipped to rm_score_clip).
+    rows, prefix_lengths: long [N] (this process's rows); returns float [N, k]."""
+
+    def __call__(self, rows: torch.Tensor, prefix_lengths: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +37,8 @@ class AdvantageBatch:
     take this process's rows back (identities in one process); response_ids: long [B, T], the sampled tokens (None
     when the caller has none); entropy: float [B, T], the entropy of the sampling policy's distribution at each
     token, from the forward that gives the PPO ratio's denominator (None unless the estimator is registered with
-    ``reads_entropy=True``)."""
+    ``reads_entropy=True``); continue_and_score: Monte-Carlo continuations of response prefixes and their scores
+    (ContinueAndScore; None outside a trainer)."""
 
     rewards: torch.Tensor
     values: torch.Tensor | None
@@ -38,6 +51,7 @@ class AdvantageBatch:
     own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     response_ids: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    continue_and_score: ContinueAndScore | None = None
 
 
 Estimate = Callable[[AdvantageBatch], "tuple[torch.Tensor, torch.Tensor | None]"]

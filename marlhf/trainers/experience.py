@@ -42,7 +42,8 @@ class Experience:
             `logprobs`, kept when the estimator reads it (its `reads_entropy` trait)
     Stage 2 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
     Stage 3 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
-    Stage 4 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic).
+    Stage 4 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
+        continuation_tokens: int or None, the tokens of the estimator's Monte-Carlo continuations (None: it made none)
     """
 
     prompt_rows: list[int]
@@ -66,6 +67,7 @@ class Experience:
     segmentation_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    continuation_tokens: int | None = None
 
     # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
     _PROMPT_COLUMNS = ("query_ids", "query_mask")

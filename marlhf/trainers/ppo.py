@@ -72,8 +72,9 @@ from marlhf.policy_losses import PolicyLossBatch
 from marlhf.metrics import row_l2, token_repetition
 from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora, pad_sequences
 from marlhf.rewards.functions import takes_record_fields
-from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_values,
-                            score_responses)
+from marlhf.continuations import PrefixContinuations
+from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_scores,
+                            response_values, score_responses)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.ppo_config import PLUGINS
@@ -143,12 +144,9 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     with_entropy = run.plugins["advantage"][0].reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        generation = run.engine.generate(
-            query_ids, query_mask, row_seeds=row_seeds,
-            max_new_tokens=config.max_response_length,
-            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-            eos_token_id=run.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            return_logprobs=wants_sampling_logprobs)
+        generation = run.engine.generate(query_ids, query_mask, row_seeds=row_seeds,
+                                         max_new_tokens=config.max_response_length,
+                                         return_logprobs=wants_sampling_logprobs, **_sampling(run))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
@@ -181,9 +179,7 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
 def per_token_rewards(run: PPORun, experience: Experience) -> Experience:
     """Stage 2: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0), from
     the scores clipped to rm_score_clip if set."""
-    scores = experience.scores
-    if run.config.rm_score_clip is not None:
-        scores = scores.clamp(-run.config.rm_score_clip, run.config.rm_score_clip)
+    scores = _clipped(run, experience.scores)
     logprobs, ref_logprobs = experience.logprobs, experience.ref_logprobs
     rewards = kl_penalized_rewards(scores, logprobs, ref_logprobs if ref_logprobs is not None else logprobs,
                                    experience.response_mask, run.kl_coef)
@@ -204,23 +200,27 @@ def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
     return dataclasses.replace(experience, segment_ids=segment_ids, segmentation_stats=stats)
 
 
-def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
+def estimate_advantages(run: PPORun, experience: Experience, step: int) -> Experience:
     """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
     the tokens sampled with probability below `advantage_mask_threshold` if set (SPO's mask; after whitening, which
-    would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes."""
+    would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes. An
+    estimator that continues prefixes (`continue_and_score`) does so here, with the rollout's weights; its
+    continuation tokens are kept for the metrics."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     estimator, options = run.plugins["advantage"]
+    continuations = _prefix_continuations(run, experience, step)
     advantages, returns = estimator.obj(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
         gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
-        response_ids=experience.response_ids, entropy=experience.entropy))
+        response_ids=experience.response_ids, entropy=experience.entropy, continue_and_score=continuations))
     if config.whiten_advantages:
         all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
         advantages = own_rows(accelerator, all_advantages, like=mask)
     if config.advantage_mask_threshold is not None:
         advantages = low_prob_advantage_mask(advantages, experience.logprobs, mask, config.advantage_mask_threshold)
-    return dataclasses.replace(experience, advantages=advantages, returns=returns)
+    return dataclasses.replace(experience, advantages=advantages, returns=returns,
+                               continuation_tokens=continuations.tokens if continuations.calls else None)
 
 
 def ppo_update(run: PPORun, experience: Experience, train_policy: bool = True) -> dict[str, list[torch.Tensor]]:
@@ -342,6 +342,9 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
         metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
+    if e.continuation_tokens is not None:  # totals over all processes (the reduction below is a mean)
+        metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
+        metrics["rollout/mc_tokens"] = e.continuation_tokens * run.accelerator.num_processes
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     metrics = reduce_metrics(metrics, run.accelerator)
@@ -413,7 +416,7 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
             experience = make_experience(run, step, clock)  # 1. sample and score
             experience = per_token_rewards(run, experience)  # 2.
             experience = macro_actions(run, experience, step)  # 3.
-            experience = estimate_advantages(run, experience)  # 4.
+            experience = estimate_advantages(run, experience, step)  # 4.
             update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
             if kl_control is not None:
                 adapt_kl_coef(run, experience)
@@ -437,6 +440,49 @@ def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
         return None
     names = sorted({name for i in rows for name in run.prompt_records[i]} - {"prompt"})
     return {name: [run.prompt_records[i].get(name) for i in rows] for name in names}
+
+
+def _sampling(run: PPORun) -> dict[str, Any]:
+    """The engine's sampling settings, the same for the rollout and the Monte-Carlo continuations."""
+    config = run.config
+    return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, eos_token_id=run.eos_token_id,
+                pad_token_id=run.tokenizer.pad_token_id)
+
+
+def _clipped(run: PPORun, scores: torch.Tensor) -> torch.Tensor:
+    """Scores clipped to rm_score_clip if set: what the rewards and the Monte-Carlo values use."""
+    clip = run.config.rm_score_clip
+    return scores if clip is None else scores.clamp(-clip, clip)
+
+
+def _prefix_continuations(run: PPORun, experience: Experience, step: int) -> PrefixContinuations:
+    """`continue_and_score` over the step's rows (marlhf.continuations): sampled by the run's engine with the
+    rollout's settings, continuation j of the prefix of length t of row r (among all processes' rows) seeded by
+    (seed, step, r, t + 1, j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
+    config, accelerator = run.config, run.accelerator
+    first_row = accelerator.process_index * config.rollout_size
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor, seeds: list[int], max_new_tokens: int):
+        run.train(False)  # the rollout's mode: dropout off, KV cache on
+        with accelerator.autocast():
+            return run.engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens, **_sampling(run))
+
+    def score(rows: list[int], *batch: torch.Tensor) -> torch.Tensor:
+        prompt_rows = [experience.prompt_rows[row] for row in rows]
+        logged = getattr(run.reward_fn, "last_means", None)  # the step logs the rollout's reward means
+        with accelerator.autocast():
+            scores = response_scores(*batch, reward_model=run.reward_model, reward_fn=run.reward_fn,
+                                     prompts=[run.prompt_records[i]["prompt"] for i in prompt_rows],
+                                     tokenizer=run.tokenizer, reward_kwargs=_record_fields(run, prompt_rows),
+                                     chunk_size=config.forward_batch_size or run.piece_size)
+        if logged is not None:
+            run.reward_fn.last_means = logged
+        return _clipped(run, scores)
+
+    return PrefixContinuations(experience.query_ids, experience.query_mask, experience.response_ids, generate, score,
+                               lambda row, length, sample: _seed(config.seed, step, first_row + row, length + 1,
+                                                                 sample),
+                               config.max_response_length, run.tokenizer.pad_token_id)
 
 
 def _check_update_inputs(experience: Experience) -> None:

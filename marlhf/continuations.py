@@ -1,0 +1,97 @@
+"""Monte-Carlo continuations of response prefixes: the trainer's side of `AdvantageBatch.continue_and_score`
+(marlhf.estimators.ContinueAndScore), which the `mc_segment` estimator calls.
+
+A prefix is a row's prompt and its first t response tokens; a continuation is sampled from it by the run's
+rollout engine (marlhf.engines, any engine: only `generate` is called) until EOS or the run's response length
+(prefix + continuation <= max_response_length tokens, the main rollout's budget), and the full response
+(prefix + continuation) is scored as the run scores its responses. Layout as in marlhf.rollout: prompts
+left-padded `[B, P]`, responses right-padded `[B, T]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from marlhf.engines.base import Generation
+
+__all__ = ["PrefixContinuations", "prefix_queries", "join_continuations"]
+
+
+def prefix_queries(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
+                   rows: torch.Tensor, prefix_lengths: torch.Tensor,
+                   pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt of row `rows[n]` followed by its first `prefix_lengths[n]` response tokens, left-padded: what the
+    engine continues. query_ids, query_mask: [B, P]; response_ids: [B, T]; rows, prefix_lengths: long [N];
+    returns (ids long [N, W], mask bool [N, W]), W the longest prefix (columns that are padding in every row cut)."""
+    width = response_ids.shape[1]
+    ids = torch.cat([query_ids[rows], response_ids[rows]], dim=1)
+    positions = torch.arange(width, device=rows.device)[None, :]
+    mask = torch.cat([query_mask[rows].bool(), positions < prefix_lengths[:, None]], dim=1)
+    # Shift each row right by its unused response columns, so that its real tokens end at the last column.
+    source = torch.arange(ids.shape[1], device=rows.device)[None, :] - (width - prefix_lengths)[:, None]
+    mask = mask.gather(1, source.clamp(min=0)) & (source >= 0)
+    ids = ids.gather(1, source.clamp(min=0)).masked_fill(~mask, pad_token_id)
+    longest = int(mask.sum(dim=1).max()) if rows.numel() else 0
+    return ids[:, ids.shape[1] - longest:], mask[:, ids.shape[1] - longest:]
+
+
+def join_continuations(response_ids: torch.Tensor, rows: torch.Tensor, prefix_lengths: torch.Tensor,
+                       continuation: Generation, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full responses: row `rows[n]`'s first `prefix_lengths[n]` response tokens, then continuation n, cut to
+    `width` tokens (the run's response length) and right-padded. response_ids: [B, T]; rows, prefix_lengths: long
+    [N]; continuation: [N, C]; returns (ids long [N, width], mask bool [N, width])."""
+    positions = torch.arange(width, device=rows.device)[None, :]
+    in_prefix = positions < prefix_lengths[:, None]
+    prefix = response_ids[rows].gather(1, positions.clamp(max=response_ids.shape[1] - 1).expand(len(rows), -1))
+    offset = positions - prefix_lengths[:, None]  # the continuation's token at each position
+    columns = continuation.response_ids.shape[1]
+    inside = (offset >= 0) & (offset < columns)
+    index = offset.clamp(0, columns - 1)
+    mask = in_prefix | (continuation.response_mask.bool().gather(1, index) & inside)
+    ids = torch.where(in_prefix, prefix, continuation.response_ids.gather(1, index))
+    return ids.masked_fill(~mask, pad_token_id), mask
+
+
+@dataclasses.dataclass
+class PrefixContinuations:
+    """`continue_and_score(rows, prefix_lengths, k) -> scores [N, k]` over one step's rows: all N x k continuations
+    in one `generate` call, continuation j of row r's prefix of length t from the seed `seed(r, t, j)` (the same
+    seed gives the same continuation in any batch), their full responses scored by `score`. Counts its engine
+    calls and the continuation tokens it keeps (`calls`, `tokens`; a continuation past the response length is cut
+    there, and its cut tokens are not counted).
+
+    query_ids, query_mask: [B, P], the step's prompts; response_ids: [B, T], its responses;
+    generate(ids, mask, row_seeds, max_new_tokens) -> Generation: the run's engine with its sampling settings;
+    score(rows, query_ids, query_mask, response_ids, response_mask) -> float [N]: final scores of full responses;
+    max_response_length: the longest response (prefix + continuation)."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    generate: Callable[[torch.Tensor, torch.Tensor, list[int], int], Generation]
+    score: Callable[[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    seed: Callable[[int, int, int], int]
+    max_response_length: int
+    pad_token_id: int
+    calls: int = 0
+    tokens: int = 0
+
+    def __call__(self, rows: torch.Tensor, prefix_lengths: torch.Tensor, k: int) -> torch.Tensor:
+        if k < 1:
+            raise ValueError(f"`k` must be >= 1, got {k}")
+        rows, prefix_lengths = rows.repeat_interleave(k), prefix_lengths.repeat_interleave(k)  # [N * k]
+        if rows.numel() == 0:
+            return self.response_ids.new_zeros((0, k), dtype=torch.float32)
+        host_rows, host_lengths = torch.stack([rows, prefix_lengths]).tolist()
+        seeds = [self.seed(row, length, i % k) for i, (row, length) in enumerate(zip(host_rows, host_lengths))]
+        ids, mask = prefix_queries(self.query_ids, self.query_mask, self.response_ids, rows, prefix_lengths,
+                                   self.pad_token_id)
+        continuation = self.generate(ids, mask, seeds, self.max_response_length - min(host_lengths))
+        self.calls += 1
+        responses = join_continuations(self.response_ids, rows, prefix_lengths, continuation,
+                                       self.max_response_length, self.pad_token_id)
+        self.tokens += int(responses[1].sum()) - sum(host_lengths)
+        return self.score(host_rows, self.query_ids[rows], self.query_mask[rows], *responses).view(-1, k)
