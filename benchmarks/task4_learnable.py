@@ -9,7 +9,8 @@ pre-training, SFT, reward model), then `run_method` with token-level PPO (`termi
 and held-out gold on the demo's 128 evaluation prompts; the demo's hyper-parameters otherwise (50 steps of 32
 responses, lam 1, KL 0.05). Set-ups: gold_sft = PPO optimises 4 x the gold reward, critic from the SFT model (the
 primary measurement); rm_rm = PPO optimises the reward model, critic from it. A design is a `decision_rate` (the
-chance an SFT demonstration's word after a marker is the clue); every design tried stays in the results.
+chance an SFT demonstration's word after a marker is the clue) and a `clue_words` (how many words a prompt's
+last word, the clue, is drawn from); every design tried stays in the results.
 
 Each finished run writes RESULTS/<design>/<setup>/seed<k>.json (held-out gold of the SFT model and of the policy,
 the share of right decisions and of markers, the reward model's pairwise accuracy on fresh pairs, the per-step
@@ -35,7 +36,10 @@ import credit_assignment as study_one  # noqa: E402  (its model cache, result wr
 
 from marlhf.evaluation.stats import t_quantile  # noqa: E402
 
-DESIGNS = {"rate0.3": {"decision_rate": 0.3}}  # every design tried, in the order tried
+# Every design tried, in the order tried. rate0.3 (commit 6ac3d2e, before clue_words existed): the clue is any of the
+# 48 words; its SFT model did not copy it (held-out gold 0.02, chance 1/48).
+DESIGNS = {"rate0.3": {"decision_rate": 0.3, "clue_words": None},
+           "clues4_rate0.3": {"decision_rate": 0.3, "clue_words": 4}}
 SETUPS = study_one.SETUPS  # gold_sft (gold reward, critic from SFT), rm_rm (reward model, critic from it)
 SEEDS = (0, 1, 2, 3)
 TOKEN_PPO = {"termination": "fixed", "ngram": 1}

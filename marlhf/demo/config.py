@@ -38,6 +38,8 @@ class DemoConfig(ConfigBase):
                        "last word; the rest is filler)")
     decision_rate: float = option(0.3, "gold=decision: chance an SFT demonstration's word after a marker is the clue",
                                   ge=0, le=1)
+    clue_words: int | None = option(4, "gold=decision: prompts end with one of this many words, the clue (none: any "
+                                       "word of the lexicon)", ge=1, le=48)
     reward: Literal["model", "gold"] = option(
         "model", "what PPO optimises: the reward model's score, or the gold reward times gold_reward_scale; the "
                  "gold reward is what results are judged by either way")

@@ -157,7 +157,7 @@ class DemoModels:
 def demo_task(config: DemoConfig) -> SyntheticTask:
     """The synthetic task of a demo configuration."""
     return SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold,
-                                    decision_rate=config.decision_rate))
+                                    decision_rate=config.decision_rate, clue_words=config.clue_words))
 
 
 def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoModels:

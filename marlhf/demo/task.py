@@ -29,8 +29,9 @@ So "bright plain bright plain" scores 4/W and "bright bright plain plain", the s
 depends on its neighbour. 20 bright words, the optimum of `word_scores`, score 1/W here.
 
 A fourth gold reward, `gold="decision"` (Task 4), is decided by a few words: the clue is the prompt's last word
-(before the separator), the marker is the one-syllable word `so` (never a lexicon word nor a misspelling, which
-have 2-4 syllables), and over the first W words of the response
+(before the separator; prompts draw it from `clue_words` words of the lexicon, 4 by default), the marker is the
+one-syllable word `so` (never a lexicon word nor a misspelling, which have 2-4 syllables), and over the first W
+words of the response
 
 gold reward = (number of the first 3 markers whose next word is the clue) / 3, in [0, 1].
 
@@ -74,6 +75,7 @@ class TaskConfig:
     copy_rate: float = 0.35  # ordered_copy: share of the prompt's words an SFT demonstration repeats
     alternation_rate: float = 0.1  # alternation: chance an SFT demonstration's next word switches bright <-> plain
     decision_rate: float = 0.3  # decision: chance an SFT demonstration's word after a marker is the clue
+    clue_words: int | None = 4  # decision: prompts end with one of this many words (None: any word of the lexicon)
 
 
 class SyntheticTask:
@@ -90,6 +92,9 @@ class SyntheticTask:
                              f"each of {DECISIONS} decisions), got {self.config.num_words}")
         if not 0.0 <= self.config.decision_rate <= 1.0:
             raise ValueError(f"config: decision_rate must be in [0, 1], got {self.config.decision_rate}")
+        if self.config.clue_words is not None and not 1 <= self.config.clue_words <= 3 * self.config.words_per_class:
+            raise ValueError(f"config: clue_words must be None or 1 to {3 * self.config.words_per_class}, got "
+                             f"{self.config.clue_words}")
         rng = random.Random(self.config.seed)
         num_words = self.config.words_per_class * len(CLASSES)
         words: set[str] = set()
@@ -100,6 +105,9 @@ class SyntheticTask:
         k = self.config.words_per_class
         self.words_by_class = {c: tuple(sorted(shuffled[i * k : (i + 1) * k])) for i, c in enumerate(CLASSES)}
         self.word_class = {w: c for c, ws in self.words_by_class.items() for w in ws}
+        # decision: the words a prompt may end with, so the clue that decides the response
+        clues = self.config.clue_words or len(self.word_class)
+        self.clue_words = tuple(random.Random(f"clues-{self.config.seed}").sample(sorted(self.word_class), clues))
 
     # ---------------------------------------------------------------- gold reward
     def word_scores(self, response: str) -> list[float]:
@@ -203,7 +211,10 @@ class SyntheticTask:
         """A prompt and its class mix (a Dirichlet draw, so prompts lean towards different classes)."""
         draws = [rng.gammavariate(1.0, 1.0) for _ in CLASSES]
         mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
-        return " ".join(self._words(rng, self.config.prompt_words, mix, 0.0)) + " " + SEPARATOR, mix
+        words = self._words(rng, self.config.prompt_words, mix, 0.0)
+        if self.config.gold == "decision" and self.config.clue_words is not None:
+            words[-1] = rng.choice(self.clue_words)  # the clue
+        return " ".join(words) + " " + SEPARATOR, mix
 
     def _demonstration_mix(self, prompt_mix: dict[str, float]) -> dict[str, float]:
         # The demonstrator half follows the prompt's mix, half a fixed mediocre one: imperfect on purpose.
