@@ -37,9 +37,11 @@ import credit_assignment as study_one  # noqa: E402  (its model cache, result wr
 from marlhf.evaluation.stats import t_quantile  # noqa: E402
 
 # Every design tried, in the order tried. rate0.3 (commit 6ac3d2e, before clue_words existed): the clue is any of the
-# 48 words; its SFT model did not copy it (held-out gold 0.02, chance 1/48).
+# 48 words; its SFT model did not copy it (held-out gold 0.02, chance 1/48). clues4_rate0.3: its SFT model put clue
+# words after markers but not the prompt's (held-out gold 0.086, about 0.3 / 4 + 0.7 / 48); PPO gained 0.04-0.11.
 DESIGNS = {"rate0.3": {"decision_rate": 0.3, "clue_words": None},
-           "clues4_rate0.3": {"decision_rate": 0.3, "clue_words": 4}}
+           "clues4_rate0.3": {"decision_rate": 0.3, "clue_words": 4},
+           "clues4_rate0.6": {"decision_rate": 0.6, "clue_words": 4}}
 SETUPS = study_one.SETUPS  # gold_sft (gold reward, critic from SFT), rm_rm (reward model, critic from it)
 SEEDS = (0, 1, 2, 3)
 TOKEN_PPO = {"termination": "fixed", "ngram": 1}
@@ -68,14 +70,17 @@ def git_state() -> dict:
 
 
 def decision_shares(task, samples: list[dict]) -> dict:
-    """Of the responses' first 3 markers' words: the share that are the clue; and the mean number of markers found
-    (of 3)."""
+    """Of the responses' first 3 markers' words: the share that are the clue and the share that are any clue word
+    (right / clue words near 1 / clue_words: the clue is not read from the prompt); the mean share of markers found."""
     from marlhf.demo.task import DECISIONS, decision_clue
 
     decisions = [(task.decision_words(s["response"]), decision_clue(s["prompt"])) for s in samples]
     found = sum(len(words) for words, _ in decisions)
     right = sum(word == clue for words, clue in decisions for word in words)
-    return {"right_of_found": right / found if found else 0.0, "markers_found": found / len(samples) / DECISIONS}
+    clue_words = sum(word in task.clue_words for words, _ in decisions for word in words)
+    return {"right_of_found": right / found if found else 0.0,
+            "clue_words_of_found": clue_words / found if found else 0.0,
+            "markers_found": found / len(samples) / DECISIONS}
 
 
 def reward_model_accuracy(models, config) -> float:
@@ -151,8 +156,8 @@ def summarize(results: Path) -> list[str]:
         raise ValueError(f"no result files under {results}")
     commits = sorted({(r["commit"][:7], r["clean"]) for r in rows})
     lines = ["| design | set-up | seeds | SFT held-out gold | PPO held-out gold (per seed) | gain [95 % t-interval] | "
-             "right decisions SFT -> PPO | markers found SFT -> PPO | RM pair accuracy | KL |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "right decisions SFT -> PPO | clue words SFT -> PPO | markers found SFT -> PPO | RM pair accuracy | KL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for design in [d for d in DESIGNS if any(r["design"] == d for r in rows)]:
         for setup in [s for s in SETUPS if any(r["design"] == design and r["setup"] == s for r in rows)]:
             group = sorted((r for r in rows if r["design"] == design and r["setup"] == setup), key=lambda r: r["seed"])
@@ -160,15 +165,17 @@ def summarize(results: Path) -> list[str]:
             seeds = ",".join(str(r["seed"]) for r in group)
             golds = ", ".join(f"{r['held_out']['gold_reward']:.3f}" for r in group)
 
-            def mean(part: str, key: str) -> float:
-                return float(np.mean([r[part][key] for r in group]))
+            def mean(part: str, key: str) -> str:  # "-" where the files predate the key
+                values = [r[part][key] for r in group if key in r[part]]
+                return f"{np.mean(values):.2f}" if values else "-"
 
             lines.append(
                 f"| {design} | {setup} | {seeds} | {group[0]['sft_held_out']['gold_reward']:.3f} | {golds} "
                 f"| {gain:+.3f} [{low:+.3f}, {high:+.3f}] "
-                f"| {mean('sft_held_out', 'right_of_found'):.2f} -> {mean('held_out', 'right_of_found'):.2f} "
-                f"| {mean('sft_held_out', 'markers_found'):.2f} -> {mean('held_out', 'markers_found'):.2f} "
-                f"| {np.mean([r['reward_model_accuracy'] for r in group]):.3f} | {mean('held_out', 'kl'):.1f} |")
+                f"| {mean('sft_held_out', 'right_of_found')} -> {mean('held_out', 'right_of_found')} "
+                f"| {mean('sft_held_out', 'clue_words_of_found')} -> {mean('held_out', 'clue_words_of_found')} "
+                f"| {mean('sft_held_out', 'markers_found')} -> {mean('held_out', 'markers_found')} "
+                f"| {np.mean([r['reward_model_accuracy'] for r in group]):.3f} | {mean('held_out', 'kl')} |")
     lines += ["", "Commits (clean tree?): " + ", ".join(f"{c} ({'clean' if k else 'dirty'})" for c, k in commits),
               f"Mean run seconds: {np.mean([r['run_seconds'] for r in rows]):.0f} (one torch thread)"]
     return lines
