@@ -39,6 +39,7 @@ from marlhf.evaluation.stats import t_quantile  # noqa: E402
 # Every design tried, in the order tried. rate0.3 (commit 6ac3d2e, before clue_words existed): the clue is any of the
 # 48 words; its SFT model did not copy it (held-out gold 0.02, chance 1/48). clues4_rate0.3: its SFT model put clue
 # words after markers but not the prompt's (held-out gold 0.086, about 0.3 / 4 + 0.7 / 48); PPO gained 0.04-0.11.
+# Its seeds 2-3 were first recorded as from a dirty tree (seeds 0-1's result files, untracked, counted) and rerun.
 DESIGNS = {"rate0.3": {"decision_rate": 0.3, "clue_words": None},
            "clues4_rate0.3": {"decision_rate": 0.3, "clue_words": 4},
            "clues4_rate0.6": {"decision_rate": 0.6, "clue_words": 4}}
@@ -63,10 +64,13 @@ def demo_config(design: str, setup: str, quick: bool):
 
 
 def git_state() -> dict:
-    """The commit of the code that makes a result, and whether the tree had changes (untracked files included)."""
+    """The commit of the code that makes a result, and whether the tree had changes (untracked files included; the
+    result files of this benchmark are not code, and a run's earlier results must not count)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    return {"commit": git("rev-parse", "HEAD"), "clean": git("status", "--porcelain") == ""}
+    results = DEFAULT_RESULTS.relative_to(ROOT.parent)
+    changes = git("status", "--porcelain", "--", ":/", f":(top,exclude){results}")
+    return {"commit": git("rev-parse", "HEAD"), "clean": changes == ""}
 
 
 def decision_shares(task, samples: list[dict]) -> dict:
