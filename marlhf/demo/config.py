@@ -30,11 +30,16 @@ class DemoConfig(ConfigBase):
             "dpo (DPO on the reward model's preference pairs)")
     task_seed: int = option(1234, "seed of the lexicon and of every data set")
     num_words: int = option(20, "words per demonstration, and words the gold reward reads", ge=1)
-    gold: Literal["word_scores", "ordered_copy", "alternation"] = option(
+    gold: Literal["word_scores", "ordered_copy", "alternation", "decision"] = option(
         "word_scores", "the task's gold reward: mean word score (bright +1, plain 0, dark -1), or the prompt's "
                        "words repeated in order (longest common subsequence; not a sum over words), or bright and "
                        "plain words alternating (+1 for a change of class, 0 for a repeat, dark -1; not a sum over "
-                       "words)")
+                       "words), or decided by 3 words (share of the first 3 markers 'so' followed by the prompt's "
+                       "last word; the rest is filler)")
+    decision_rate: float = option(0.3, "gold=decision: chance an SFT demonstration's word after a marker is the clue",
+                                  ge=0, le=1)
+    clue_words: int | None = option(4, "gold=decision: prompts end with one of this many words, the clue (none: any "
+                                       "word of the lexicon)", ge=1, le=48)
     reward: Literal["model", "gold"] = option(
         "model", "what PPO optimises: the reward model's score, or the gold reward times gold_reward_scale; the "
                  "gold reward is what results are judged by either way")

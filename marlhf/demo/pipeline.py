@@ -154,12 +154,18 @@ class DemoModels:
     preference_records: list[dict]
 
 
+def demo_task(config: DemoConfig) -> SyntheticTask:
+    """The synthetic task of a demo configuration."""
+    return SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold,
+                                    decision_rate=config.decision_rate, clue_words=config.clue_words))
+
+
 def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoModels:
     """Tokenizer -> pretrain -> SFT -> reward model, saved under MODELS_DIR/{base,sft,reward}.
     `stage_done(name, since) -> now` is called after each stage (timing and a line of progress)."""
     stage_done = stage_done or (lambda name, since: time.perf_counter())
     clock = time.perf_counter()
-    task = SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold))
+    task = demo_task(config)
     texts = task.pretraining_texts(config.pretrain_texts, seed=0)
     tokenizer = train_tokenizer(texts)
     torch.manual_seed(config.task_seed)
@@ -191,7 +197,7 @@ def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoM
 
 def load_models(config: DemoConfig, models_dir: Path) -> DemoModels:
     """The models `build_models(config, models_dir)` saved, read back."""
-    task = SyntheticTask(TaskConfig(seed=config.task_seed, num_words=config.num_words, gold=config.gold))
+    task = demo_task(config)
     sft_dir, reward_dir = models_dir / "sft", models_dir / "reward"
     tokenizer = load_tokenizer(str(sft_dir), "left")
     sft = load_causal_lm(str(sft_dir)).eval()

@@ -27,6 +27,16 @@ time or more, -1 for a dark word or a string that is not a word, 0 for a missing
 
 So "bright plain bright plain" scores 4/W and "bright bright plain plain", the same words, 2/W: a word's credit
 depends on its neighbour. 20 bright words, the optimum of `word_scores`, score 1/W here.
+
+A fourth gold reward, `gold="decision"` (Task 4), is decided by a few words: the clue is the prompt's last word
+(before the separator; prompts draw it from `clue_words` words of the lexicon, 4 by default), the marker is the
+one-syllable word `so` (never a lexicon word nor a misspelling, which have 2-4 syllables), and over the first W
+words of the response
+
+gold reward = (number of the first 3 markers whose next word is the clue) / 3, in [0, 1].
+
+Every other word is filler and does not change the reward; a missing marker, or a marker in the last word slot,
+is a decision lost.
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ CLASS_SCORES = {"bright": 1.0, "plain": 0.0, "dark": -1.0}
 INVALID_SCORE = -1.0
 SEPARATOR = "|"  # ends every prompt; a word of its own for the tokenizer
 MAX_BRIGHT_USES = 2  # a bright word scores only on its first uses (alternation: a bright or plain word)
-GOLD_REWARDS = ("word_scores", "ordered_copy", "alternation")
+GOLD_REWARDS = ("word_scores", "ordered_copy", "alternation", "decision")
 ALTERNATING = ("bright", "plain")  # alternation: the classes whose changes pay
+MARKER = "so"  # decision: one syllable, so neither a lexicon word nor a misspelling (both have 2-4)
+DECISIONS = 3  # decision: the words after the first DECISIONS markers are all the gold reward reads
 
 
 @dataclass(frozen=True)
@@ -59,9 +71,11 @@ class TaskConfig:
     typo_rate: float = 0.05  # share of invalid words in SFT demonstrations
     preference_temperature: float = 0.1  # Bradley-Terry noise of the gold labeller
     seed: int = 1234
-    gold: Literal["word_scores", "ordered_copy", "alternation"] = "word_scores"  # the gold reward (module docstring)
+    gold: Literal["word_scores", "ordered_copy", "alternation", "decision"] = "word_scores"  # (module docstring)
     copy_rate: float = 0.35  # ordered_copy: share of the prompt's words an SFT demonstration repeats
     alternation_rate: float = 0.1  # alternation: chance an SFT demonstration's next word switches bright <-> plain
+    decision_rate: float = 0.3  # decision: chance an SFT demonstration's word after a marker is the clue
+    clue_words: int | None = 4  # decision: prompts end with one of this many words (None: any word of the lexicon)
 
 
 class SyntheticTask:
@@ -73,6 +87,14 @@ class SyntheticTask:
             raise ValueError("config: words_per_class must be >= 2 and num_words >= 1")
         if self.config.gold not in GOLD_REWARDS:
             raise ValueError(f"config: gold must be one of {GOLD_REWARDS}, got {self.config.gold!r}")
+        if self.config.gold == "decision" and self.config.num_words < 2 * DECISIONS:
+            raise ValueError(f"config: gold='decision' needs num_words >= {2 * DECISIONS} (a marker and a word for "
+                             f"each of {DECISIONS} decisions), got {self.config.num_words}")
+        if not 0.0 <= self.config.decision_rate <= 1.0:
+            raise ValueError(f"config: decision_rate must be in [0, 1], got {self.config.decision_rate}")
+        if self.config.clue_words is not None and not 1 <= self.config.clue_words <= 3 * self.config.words_per_class:
+            raise ValueError(f"config: clue_words must be None or 1 to {3 * self.config.words_per_class}, got "
+                             f"{self.config.clue_words}")
         rng = random.Random(self.config.seed)
         num_words = self.config.words_per_class * len(CLASSES)
         words: set[str] = set()
@@ -83,6 +105,9 @@ class SyntheticTask:
         k = self.config.words_per_class
         self.words_by_class = {c: tuple(sorted(shuffled[i * k : (i + 1) * k])) for i, c in enumerate(CLASSES)}
         self.word_class = {w: c for c, ws in self.words_by_class.items() for w in ws}
+        # decision: the words a prompt may end with, so the clue that decides the response
+        clues = self.config.clue_words or len(self.word_class)
+        self.clue_words = tuple(random.Random(f"clues-{self.config.seed}").sample(sorted(self.word_class), clues))
 
     # ---------------------------------------------------------------- gold reward
     def word_scores(self, response: str) -> list[float]:
@@ -116,16 +141,28 @@ class SyntheticTask:
             previous = word_class
         return scores
 
+    def decision_words(self, response: str) -> list[str]:
+        """decision: the word after each of the first DECISIONS markers among the first `num_words` words (a marker
+        in the last slot has none; in `so so w` the first marker's word is the second marker)."""
+        words = response.split()[: self.config.num_words]
+        return [words[i + 1] for i in range(len(words) - 1) if words[i] == MARKER][:DECISIONS]
+
     def gold_reward(self, response: str, prompt: str | None = None) -> float:
         """word_scores: in [-1, 1], 1 means `num_words` bright words, none used more than twice.
         ordered_copy: in [0, 1], 1 means the prompt's words all appear in order (needs `prompt`).
-        alternation: in [-1, 1], 1 means `num_words` words alternating bright and plain, none used more than twice."""
+        alternation: in [-1, 1], 1 means `num_words` words alternating bright and plain, none used more than twice.
+        decision: in [0, 1], the share of the first DECISIONS markers (`so`) among the first `num_words` words that
+        are followed by the clue, the prompt's last word (needs `prompt`); a missing marker counts as a wrong
+        decision and every other word is filler that does not change the reward."""
         if self.config.gold == "word_scores":
             return sum(self.word_scores(response)) / self.config.num_words
         if self.config.gold == "alternation":
             return sum(self.alternation_scores(response)) / self.config.num_words
         if prompt is None:
-            raise ValueError("the ordered_copy gold reward needs the prompt")
+            raise ValueError(f"the {self.config.gold} gold reward needs the prompt")
+        if self.config.gold == "decision":
+            clue = decision_clue(prompt)
+            return sum(word == clue for word in self.decision_words(response)) / DECISIONS
         target = prompt_words(prompt)
         return longest_common_subsequence(target, response.split()[: self.config.num_words]) / max(len(target), 1)
 
@@ -174,7 +211,10 @@ class SyntheticTask:
         """A prompt and its class mix (a Dirichlet draw, so prompts lean towards different classes)."""
         draws = [rng.gammavariate(1.0, 1.0) for _ in CLASSES]
         mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
-        return " ".join(self._words(rng, self.config.prompt_words, mix, 0.0)) + " " + SEPARATOR, mix
+        words = self._words(rng, self.config.prompt_words, mix, 0.0)
+        if self.config.gold == "decision" and self.config.clue_words is not None:
+            words[-1] = rng.choice(self.clue_words)  # the clue
+        return " ".join(words) + " " + SEPARATOR, mix
 
     def _demonstration_mix(self, prompt_mix: dict[str, float]) -> dict[str, float]:
         # The demonstrator half follows the prompt's mix, half a fixed mediocre one: imperfect on purpose.
@@ -187,14 +227,39 @@ class SyntheticTask:
         return [{"prompt": self._prompt(rng)[0]} for _ in range(n)]
 
     def pretraining_texts(self, n: int, seed: int) -> list[str]:
-        """Prompt and response joined, responses drawn with uniform class mix and no typos."""
+        """Prompt and response joined, responses drawn with uniform class mix and no typos (decision: with
+        DECISIONS markers, each followed by a uniformly drawn word, so the clue only by chance)."""
         rng = random.Random(f"pretrain-{self.config.seed}-{seed}")
         uniform = {c: 1 / len(CLASSES) for c in CLASSES}
         texts = []
         for _ in range(n):
             prompt, _ = self._prompt(rng)
-            texts.append(prompt + " " + " ".join(self._words(rng, self.config.num_words, uniform, 0.0)))
+            if self.config.gold == "decision":
+                words = self._decision_response(rng, prompt, self.config.num_words, DECISIONS, 0.0, 0.0)
+            else:
+                words = self._words(rng, self.config.num_words, uniform, 0.0)
+            texts.append(prompt + " " + " ".join(words))
         return texts
+
+    def _decision_response(self, rng: random.Random, prompt: str, length: int, markers: int, decision_rate: float,
+                           typo_rate: float, distractor_rate: float = 0.0) -> list[str]:
+        """decision: `length` words, `markers` of them markers at random slots, each followed by the clue with chance
+        `decision_rate`, else by another of the prompt's words with chance `distractor_rate`, else by a word drawn
+        uniformly from the lexicon (the clue too); the rest uniformly drawn filler (`typo_rate` misspelt)."""
+        clue, others = decision_clue(prompt), prompt_words(prompt)[:-1]
+        lexicon = sorted(self.word_class)
+        units = length - markers  # a marker and its word form one unit; blocks are the units that hold one
+        blocks = set(rng.sample(range(units), markers))
+        filler = iter(self._words(rng, units - markers, {c: 1 / len(CLASSES) for c in CLASSES}, typo_rate))
+        words = []
+        for unit in range(units):
+            if unit not in blocks:
+                words.append(next(filler))
+            elif rng.random() < decision_rate:
+                words += [MARKER, clue]
+            else:
+                words += [MARKER, rng.choice(others if others and rng.random() < distractor_rate else lexicon)]
+        return words
 
     def _copy_response(self, rng: random.Random, prompt: str, length: int, copy_rate: float,
                        typo_rate: float) -> list[str]:
@@ -210,7 +275,7 @@ class SyntheticTask:
 
     def sft_records(self, n: int, seed: int) -> list[dict]:
         """Imperfect demonstrations {"prompt", "response"}: mean gold reward about 0.1 (word_scores), 0.4
-        (ordered_copy) or 0.15 (alternation)."""
+        (ordered_copy), 0.15 (alternation) or `decision_rate` + (1 - `decision_rate`) / 48 (decision)."""
         rng = random.Random(f"sft-{self.config.seed}-{seed}")
         records = []
         for _ in range(n):
@@ -221,6 +286,9 @@ class SyntheticTask:
             elif self.config.gold == "alternation":
                 words = self._alternating_words(rng, self.config.num_words, self._demonstration_mix(mix),
                                                 self.config.typo_rate, self.config.alternation_rate)
+            elif self.config.gold == "decision":
+                words = self._decision_response(rng, prompt, self.config.num_words, DECISIONS,
+                                                self.config.decision_rate, self.config.typo_rate)
             else:
                 words = self._words(rng, self.config.num_words, self._demonstration_mix(mix), self.config.typo_rate)
             records.append({"prompt": prompt, "response": " ".join(words)})
@@ -232,7 +300,9 @@ class SyntheticTask:
         Each response draws its own class mix, length and vocabulary, so the pairs cover what a policy may
         drift to: the whole gold range, short responses and repeated words (which the gold reward does not pay).
         ordered_copy shuffles some responses, alternation groups some by class: the same words in an order that
-        pays less, so the reward model has to learn the order.
+        pays less, so the reward model has to learn the order. decision draws 0-4 markers, the rate of right
+        decisions, wrong decisions half of the time from the prompt's other words, and for some responses the clue
+        in filler slots, so the reward model has to learn which word goes where.
         """
         rng = random.Random(f"preferences-{self.config.seed}-{seed}")
         temperature = self.config.preference_temperature
@@ -254,12 +324,22 @@ class SyntheticTask:
                     if rng.random() < 0.3:  # the same words grouped by class: as good as before under word_scores
                         rank = {c: rng.random() for c in CLASSES}
                         words.sort(key=lambda w: rank.get(self.word_class.get(w), 1.0))
+                elif self.config.gold == "decision":
+                    length = rng.randint(self.config.num_words // 2, self.config.num_words)
+                    markers = min(rng.randint(0, DECISIONS + 1), length // 2)
+                    words = self._decision_response(rng, prompt, length, markers, rng.random(),
+                                                    rng.uniform(0.0, 0.15), distractor_rate=0.5)
+                    if rng.random() < 0.3:  # the clue in filler slots: only its place after a marker pays
+                        for slot in rng.sample(range(length), 3):
+                            if words[slot] != MARKER and (slot == 0 or words[slot - 1] != MARKER):
+                                words[slot] = decision_clue(prompt)
                 else:
                     draws = [rng.gammavariate(0.7, 1.0) for _ in CLASSES]
                     mix = {c: d / sum(draws) for c, d in zip(CLASSES, draws)}
                     length = rng.randint(self.config.num_words // 2, self.config.num_words)
                     words = self._words(rng, length, mix, rng.uniform(0.0, 0.15))
-                if rng.random() < 0.3:  # a response that keeps repeating a few words
+                # a response that keeps repeating a few words (decision: filler, not an exploit of its reward)
+                if self.config.gold != "decision" and rng.random() < 0.3:
                     words = [rng.choice(words[:3]) for _ in words]
                 pair.append(" ".join(words))
             gap = self.gold_reward(pair[0], prompt) - self.gold_reward(pair[1], prompt)
@@ -274,6 +354,12 @@ class SyntheticTask:
 def prompt_words(prompt: str) -> list[str]:
     """The words of a prompt, without the separator."""
     return [w for w in prompt.split() if w != SEPARATOR]
+
+
+def decision_clue(prompt: str) -> str | None:
+    """decision: the prompt's last word (before the separator), the word each marker should be followed by."""
+    words = prompt_words(prompt)
+    return words[-1] if words else None
 
 
 def longest_common_subsequence(a: list[str], b: list[str]) -> int:

@@ -262,3 +262,167 @@ def test_alternation_demonstrations_and_preferences():
     # The other tasks' data do not change with the new option.
     assert SyntheticTask().sft_records(3, seed=0) == SyntheticTask(TaskConfig(alternation_rate=0.7)).sft_records(
         3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def decision():
+    return SyntheticTask(TaskConfig(gold="decision"))
+
+
+def decision_reference(task: SyntheticTask, response: str, prompt: str) -> float:
+    """Slot by slot, as the README states the rule: the first 3 markers among the first W words, each right when
+    the next slot (also among the first W) holds the prompt's last word."""
+    clue = [w for w in prompt.split() if w != SEPARATOR][-1]
+    words = response.split()[: task.config.num_words]
+    right = markers = 0
+    for slot, word in enumerate(words):
+        if word == "so" and slot + 1 < len(words) and markers < 3:
+            markers += 1
+            right += words[slot + 1] == clue
+    return right / 3
+
+
+def check_decision_rule(task: SyntheticTask, gold) -> None:
+    """Hand-built responses against `gold(response, prompt)`: passes for the rule, fails for a wrong one."""
+    prompt = task.prompts(1, seed=0)[0]["prompt"]
+    words = prompt.split()[:-1]
+    clue, other = words[-1], next(w for w in words if w != words[-1])
+    filler = [w for w in task.words_by_class["plain"] if w not in words][:14]
+    w = task.config.num_words
+
+    def response(decisions: list[str], fill: list[str] = filler) -> str:
+        # filler, then "so <decision>" blocks spread over the 20 slots
+        out, fill = [], iter(fill)
+        for d in decisions:
+            out += [next(fill), next(fill), "so", d]
+        return " ".join(out + list(fill))
+
+    assert len(response([clue] * 3).split()) == w
+    assert gold(response([clue] * 3), prompt) == 1.0  # every decision right
+    assert gold(response([clue, other, clue]), prompt) == pytest.approx(2 / 3)  # a prompt word, not the clue
+    assert gold(response([other] * 3), prompt) == 0.0
+    assert gold(response([clue, clue]), prompt) == pytest.approx(2 / 3)  # a missing marker loses its decision
+    assert gold(" ".join(filler + [clue] * 6), prompt) == 0.0  # the clue without markers earns nothing
+    assert gold(response([clue, "zzzz", "sa"]), prompt) == pytest.approx(1 / 3)  # non-words after a marker: wrong
+    # Filler does not change the reward: other words, non-words, dark words, the clue itself in filler slots.
+    for fill in (filler[::-1], ["kakakaka"] * 14, list(task.words_by_class["dark"][:14]), [clue] * 14):
+        assert gold(response([clue, other, clue], fill), prompt) == pytest.approx(2 / 3)
+    assert gold(response([clue] * 3) + " so " + other, prompt) == 1.0  # a 4th marker (and words past W) unread
+    assert gold(f"so {other} " + response([clue] * 3), prompt) == pytest.approx(2 / 3)  # only the first 3 markers
+    assert gold(" ".join(filler[:13] + ["so", clue] * 3 + ["x", "so"]), prompt) == 1.0
+    assert gold(f"so so {clue} so {clue}", prompt) == pytest.approx(2 / 3)  # "so so": the first one's word is "so"
+    past_w = " ".join(filler[:14] + ["so", clue] * 2 + ["x", "so", clue])  # the last marker's word is slot W + 1
+    assert gold(past_w, prompt) == pytest.approx(2 / 3)
+    assert gold("", prompt) == 0.0
+
+
+def test_decision_gold_reward_hand_computed(decision):
+    check_decision_rule(decision, decision.gold_reward)
+    check_decision_rule(decision, lambda response, prompt: decision_reference(decision, response, prompt))
+
+
+@pytest.mark.parametrize("wrong_rule", ["first_prompt_word", "clue_anywhere", "every_marker", "reads_past_w"])
+def test_decision_rule_check_fails_for_a_wrong_rule(decision, wrong_rule):
+    task = decision
+
+    def wrong(response: str, prompt: str) -> float:
+        words = prompt.split()[:-1]
+        clue = words[0] if wrong_rule == "first_prompt_word" else words[-1]
+        read = response.split()[: None if wrong_rule == "reads_past_w" else task.config.num_words]
+        if wrong_rule == "clue_anywhere":
+            return min(read.count(clue), 3) / 3
+        after = [read[i + 1] for i in range(len(read) - 1) if read[i] == "so"]
+        return sum(word == clue for word in (after if wrong_rule == "every_marker" else after[:3])) / 3
+
+    with pytest.raises(AssertionError):
+        check_decision_rule(task, wrong)
+
+
+def test_decision_gold_reward_range_determinism_and_reference(decision):
+    records = decision.sft_records(300, seed=3)
+    pairs = decision.preference_records(300, seed=3)
+    texts = [(r["response"], r["prompt"]) for r in records]
+    texts += [(p[key], p["prompt"]) for p in pairs for key in ("chosen", "rejected")]
+    for response, prompt in texts:
+        for variant in (response, " ".join(response.split()[:7]), response + " " + response):
+            gold = decision.gold_reward(variant, prompt)
+            assert gold in (0.0, 1 / 3, 2 / 3, 1.0)
+            assert gold == pytest.approx(decision_reference(decision, variant, prompt))
+            assert SyntheticTask(TaskConfig(gold="decision")).gold_reward(variant, prompt) == gold
+    with pytest.raises(ValueError, match="prompt"):
+        decision.gold_reward(records[0]["response"])
+    assert decision.gold_reward("so kaka", SEPARATOR) == 0.0  # a prompt without words: no clue
+    assert decision.gold_rewards([records[0]["prompt"]], [records[0]["response"]]) == [
+        decision.gold_reward(records[0]["response"], records[0]["prompt"])]
+
+
+def test_decision_config_is_checked():
+    with pytest.raises(ValueError, match="decision_rate"):
+        SyntheticTask(TaskConfig(gold="decision", decision_rate=1.5))
+    with pytest.raises(ValueError, match="clue_words"):
+        SyntheticTask(TaskConfig(gold="decision", clue_words=0))
+    with pytest.raises(ValueError, match="num_words"):
+        SyntheticTask(TaskConfig(gold="decision", num_words=5))
+    from marlhf.demo.config import DemoConfig
+
+    with pytest.raises(ValueError, match="decision_rate"):
+        DemoConfig(gold="decision", decision_rate=-0.1)
+
+
+def test_decision_demonstrations_and_preferences(decision):
+    from marlhf.demo.task import decision_clue
+
+    task = decision
+    records = task.sft_records(1000, seed=0)
+    assert records == SyntheticTask(TaskConfig(gold="decision")).sft_records(1000, seed=0)
+    assert records != task.sft_records(1000, seed=1)
+    assert all(r["prompt"].endswith(" " + SEPARATOR) and len(r["response"].split()) == task.config.num_words
+               for r in records)
+    # Exactly 3 markers, never adjacent nor last: each decision is a word; right at decision_rate (+ chance 1/48).
+    assert all(r["response"].split().count("so") == 3 and len(task.decision_words(r["response"])) == 3
+               and "so" not in task.decision_words(r["response"]) for r in records)
+    right = [w == decision_clue(r["prompt"]) for r in records for w in task.decision_words(r["response"])]
+    expected = task.config.decision_rate + (1 - task.config.decision_rate) / 48
+    assert sum(right) / len(right) == pytest.approx(expected, abs=0.03)
+    gold = [task.gold_reward(r["response"], r["prompt"]) for r in records]
+    assert sum(gold) / len(gold) == pytest.approx(expected, abs=0.03)  # far from the optimum of 1
+    closer = SyntheticTask(TaskConfig(gold="decision", decision_rate=0.8)).sft_records(400, seed=0)
+    assert sum(task.gold_reward(r["response"], r["prompt"]) for r in closer) / len(closer) > 0.7
+    filler = [w for r in records for w in r["response"].split() if w != "so"]
+    assert sum(w not in task.word_class for w in filler) / len(filler) == pytest.approx(
+        task.config.typo_rate * 14 / 17, abs=0.015)  # misspellings only in filler, never a decision word
+    texts = task.pretraining_texts(500, seed=0)  # markers, but the clue only by chance
+    pretrain_right = [w == decision_clue(t[: t.index(SEPARATOR) + 1]) for t in texts
+                      for w in task.decision_words(t[t.index(SEPARATOR) + 2:])]
+    assert len(pretrain_right) == 1500 and sum(pretrain_right) / 1500 < 0.05
+
+    # Prompts end with one of clue_words words (the clue); with clue_words None, with any word, as Task 1's prompts.
+    assert {decision_clue(r["prompt"]) for r in records} == set(task.clue_words)
+    assert len(task.clue_words) == task.config.clue_words == 4
+    assert SyntheticTask(TaskConfig(gold="decision", clue_words=None)).prompts(50, seed=1) == SyntheticTask().prompts(
+        50, seed=1)
+
+    pairs = task.preference_records(1000, seed=0)
+    assert pairs == task.preference_records(1000, seed=0)
+    assert all(set(p) == {"prompt", "chosen", "rejected"} and p["chosen"] != p["rejected"] for p in pairs)
+    agree = [task.gold_reward(p["chosen"], p["prompt"]) > task.gold_reward(p["rejected"], p["prompt"]) for p in pairs]
+    assert 0.9 < sum(agree) / len(agree) < 1.0  # the same Bradley-Terry noise; gaps of 1/3 are rarely flipped
+
+    def clue_count(response: str, prompt: str) -> int:
+        return response.split()[: task.config.num_words].count(decision_clue(prompt))
+
+    # Counting the clue anywhere agrees less with the labels: its place after a marker is what the pairs teach.
+    agree_count = [clue_count(p["chosen"], p["prompt"]) > clue_count(p["rejected"], p["prompt"]) for p in pairs]
+    assert sum(agree_count) < sum(agree) - 100
+    # The other tasks' data do not change with the new option.
+    assert SyntheticTask().sft_records(3, seed=0) == SyntheticTask(TaskConfig(decision_rate=0.9)).sft_records(3, seed=0)
+    assert SyntheticTask().pretraining_texts(3, seed=0) == SyntheticTask(
+        TaskConfig(decision_rate=0.9)).pretraining_texts(3, seed=0)
+
+
+def test_decision_marker_is_a_token_of_its_tokenizer(decision):
+    tokenizer = train_tokenizer(decision.pretraining_texts(500, seed=0))
+    record = decision.sft_records(1, seed=0)[0]
+    ids = tokenizer(record["response"])["input_ids"]
+    assert tokenizer.decode(ids) == record["response"]
+    assert tokenizer.convert_tokens_to_ids("so") in ids  # the marker is one token, so its decision follows it
