@@ -49,23 +49,30 @@ def max_response_tokens(num_words: int) -> int:
 
 class RewardWithGold:
     """`reward_fn` for train_ppo: returns the reward model's scores (`gold_scale` None) or the gold reward times
-    `gold_scale`, and keeps, per call (one call per PPO step), the mean gold and reward-model reward of the
-    responses."""
+    `gold_scale`, and keeps, per PPO step, the mean gold and reward-model reward of the step's responses: of its
+    first call in the step, the rollout's (Monte-Carlo continuations are scored by later calls); `end_step()` after
+    each step."""
 
     def __init__(self, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask,
                  gold_scale: float | None = None) -> None:
         self.reward_model, self.tokenizer, self.task, self.gold_scale = reward_model, tokenizer, task, gold_scale
         self.max_response_tokens = max_response_tokens(task.config.num_words)
         self.rows: list[dict[str, float]] = []
+        self.in_step = False  # the step's rollout has been scored
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         scores = reward_model_scores(self.reward_model, self.tokenizer, prompts, responses,
                                      batch_size=len(prompts), max_prompt_length=MAX_PROMPT_TOKENS,
                                      max_length=MAX_PROMPT_TOKENS + self.max_response_tokens + 1)
         gold = self.task.gold_rewards(prompts, responses)
-        self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
-                          "rm_reward": sum(scores) / len(scores)})
+        if not self.in_step:
+            self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
+                              "rm_reward": sum(scores) / len(scores)})
+            self.in_step = True
         return scores if self.gold_scale is None else [self.gold_scale * g for g in gold]
+
+    def end_step(self, *_) -> None:
+        self.in_step = False
 
 
 @torch.no_grad()
@@ -207,9 +214,10 @@ def load_models(config: DemoConfig, models_dir: Path) -> DemoModels:
 
 
 def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], seed: int, run_dir: Path,
-               rl_prompts: list[dict], eval_prompts: list[str], method: str) -> dict[str, float]:
+               rl_prompts: list[dict], eval_prompts: list[str], method: str, after_step=None) -> dict[str, float]:
     """One PPO run (`options`: PPOConfig options of the method) into RUN_DIR, then its held-out evaluation.
-    Writes metrics.jsonl, config.yaml, gold.jsonl and eval_samples.jsonl; returns the held-out metrics."""
+    Writes metrics.jsonl, config.yaml, gold.jsonl and eval_samples.jsonl; returns the held-out metrics.
+    `after_step`: train_ppo's hook after each step (evaluations during training)."""
     reward_fn = RewardWithGold(models.reward_model, models.tokenizer, models.task,
                                config.gold_reward_scale if config.reward == "gold" else None)
     # Responses per step are the same for every method: groups of k samples take ppo_batch_size / k prompts.
@@ -226,7 +234,12 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
         max_length=MAX_PROMPT_TOKENS + response_tokens,
         **{"lam": config.lam, "value_weighting": config.value_weighting,
            "segment_weighting": config.segment_weighting, **options})
-    policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn)
+    def step_done(*state) -> None:
+        reward_fn.end_step()
+        if after_step is not None:
+            after_step(*state)
+
+    policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn, after_step=step_done)
     _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
     return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,
                         run_dir, method, seed)

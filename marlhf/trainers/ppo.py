@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -87,6 +87,9 @@ from marlhf.trainers.ppo_setup import build_models, prepare_training, tokenize_p
 
 __all__ = ["PPOConfig", "train_ppo", "Experience"]
 
+# after_step(steps_done, unwrapped policy, tokens generated so far or None): see train_ppo
+StepCallback = Callable[[int, torch.nn.Module, "int | None"], None]
+
 
 @dataclasses.dataclass
 class PPORun:
@@ -109,6 +112,7 @@ class PPORun:
     piece_size: int  # rows per forward pass in the update
     eos_token_id: Any
     kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
+    generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
     plugins: dict[str, tuple[Plugin, Any]] = dataclasses.field(default_factory=dict)  # option -> (plug-in, options)
 
     @property
@@ -332,7 +336,8 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         "macro/mean_segment_length": mask.sum() / num_segments(e.segment_ids).sum(),
         "time/generation": clock["generation"] - clock["start"],
         "time/scoring": clock["scoring"] - clock["generation"],
-        "time/update": clock["update"] - clock["scoring"],
+        "time/advantages": clock["advantages"] - clock["scoring"],  # Monte-Carlo continuations included
+        "time/update": clock["update"] - clock["scoring"],  # stage 4 (time/advantages) and 5
         "time/step_seconds": device_clock(run.accelerator.device) - clock["start"],
         "train/skipped_steps": sum(guard.skipped for *_, guard in run.updaters),
     }
@@ -342,25 +347,52 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
         metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
-    if e.continuation_tokens is not None:  # totals over all processes (the reduction below is a mean)
-        metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
+    # generated tokens: totals over all processes (the reduction below is a mean)
+    metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
+    if e.continuation_tokens is not None:
         metrics["rollout/mc_tokens"] = e.continuation_tokens * run.accelerator.num_processes
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     metrics = reduce_metrics(metrics, run.accelerator)
     if run.kl_control is not None:
         metrics["objective/kl_coef"] = e.kl_coef
+    if run.generated_tokens is not None:
+        metrics["rollout/generated_tokens"] = run.generated_tokens.total
     return metrics
+
+
+class GeneratedTokens:
+    """The tokens a run has generated so far (every sampled response token and every Monte-Carlo continuation
+    token, over all processes), for the token budget (`max_generated_tokens`, `min_generated_tokens`); kept in
+    checkpoints beside the learning-rate schedulers, so a resumed run stops where the uninterrupted one does."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, run: PPORun, experience: Experience) -> int:
+        """Count a step's tokens (one read to the host) and return the total so far."""
+        step = run.accelerator.reduce(experience.response_mask.sum(), reduction="sum").item()
+        self.total += int(step) + (experience.continuation_tokens or 0) * run.accelerator.num_processes
+        return self.total
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total = int(state["total"])
 
 
 # ---------------------------------------------------------------------------------------------- the loop
 def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | None = None, policy=None, ref=None,
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
-              reward_fn: RewardFn | list[RewardFn] | None = None):
+              reward_fn: RewardFn | list[RewardFn] | None = None, after_step: StepCallback | None = None):
     """Train the policy with (MA-)PPO on `prompts` (strings, or {"prompt": ...} records whose other fields go to
     reward functions; default: config.dataset) and
     return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
     `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
+    `after_step(steps_done, policy, generated_tokens)`, if given, is called on every process after each step with
+    the unwrapped policy and the tokens generated so far (None without a token budget), e.g. to evaluate the policy
+    during training; the random states are restored after it, so it does not change the run.
     Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
     accelerator = make_accelerator(config)
     # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
@@ -385,14 +417,18 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
             kl_control = schedulers["kl_coef"] = AdaptiveKLController(
                 config.kl_coef, config.kl_target, config.kl_horizon, config.rollout_size * accelerator.num_processes)
+        generated_tokens = None
+        if config.counts_generated_tokens:  # checkpointed beside the learning-rate schedulers
+            generated_tokens = schedulers["generated_tokens"] = GeneratedTokens()
         start_step, logger = start_run(config, accelerator, prepared, optimizers, schedulers)
         policy = prepared["policy"]
         eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
         run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
                      models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
-                     eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins)
+                     eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins=plugins,
+                     generated_tokens=generated_tokens)
 
-        train_steps(run, start_step, logger, (prepared, optimizers, schedulers))
+        train_steps(run, start_step, logger, (prepared, optimizers, schedulers), after_step)
         logger.close()
         trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
         policy = accelerator.unwrap_model(policy)
@@ -404,33 +440,70 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     return policy
 
 
-def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointed: tuple[dict, dict, dict]) -> None:
+def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointed: tuple[dict, dict, dict],
+                after_step: StepCallback | None = None) -> None:
     """The steps of the plan from `start_step` on, each the six stages; metrics to `logger`, checkpoints of the
-    `checkpointed` (models, optimizers, schedulers) by name."""
+    `checkpointed` (models, optimizers, schedulers) by name. With a token budget the run ends at the first step
+    whose generated tokens reach max_generated_tokens, and goes on past the plan's last step until they reach
+    min_generated_tokens."""
     config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
     # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-    with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
+    with tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
               disable=not accelerator.is_local_main_process) as progress:
-        for step in progress:
+        step = start_step
+        while _goes_on(run, step):
             clock = {"start": device_clock(accelerator.device)}
             experience = make_experience(run, step, clock)  # 1. sample and score
             experience = per_token_rewards(run, experience)  # 2.
             experience = macro_actions(run, experience, step)  # 3.
             experience = estimate_advantages(run, experience, step)  # 4.
+            clock["advantages"] = device_clock(accelerator.device)
             update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
             if kl_control is not None:
                 adapt_kl_coef(run, experience)
+            if run.generated_tokens is not None:
+                run.generated_tokens.add(run, experience)
             clock["update"] = device_clock(accelerator.device)
 
-            done = step + 1  # 6. metrics and checkpoint
-            if done % config.logging_steps == 0 or done == plan.total_steps:
+            done = step = step + 1  # 6. metrics and checkpoint
+            last = not _goes_on(run, done)
+            if done % config.logging_steps == 0 or last:
                 metrics = step_metrics(run, experience, update_stats, clock)
                 logger.log(metrics, done)
                 postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
                 if "objective/kl" in metrics:
                     postfix["kl"] = f"{metrics['objective/kl']:.3f}"
                 progress.set_postfix(**postfix)
+            progress.update()
             maybe_save_checkpoint(config, done, accelerator, *checkpointed, run.tokenizer)
+            if after_step is not None:
+                with _random_states_kept(accelerator.device):
+                    after_step(done, accelerator.unwrap_model(run.policy),
+                               None if run.generated_tokens is None else run.generated_tokens.total)
+
+
+def _goes_on(run: PPORun, steps_done: int) -> bool:
+    """Whether the run takes another step after `steps_done`: until the plan's last step, ended earlier by
+    max_generated_tokens and drawn out by min_generated_tokens (the token budget)."""
+    config, tokens = run.config, run.generated_tokens
+    if tokens is not None and config.max_generated_tokens is not None and tokens.total >= config.max_generated_tokens:
+        return False
+    if tokens is not None and config.min_generated_tokens is not None and tokens.total < config.min_generated_tokens:
+        return True
+    return steps_done < run.plan.total_steps
+
+
+@contextlib.contextmanager
+def _random_states_kept(device: torch.device):
+    """Python's, NumPy's and torch's random states (the device's too) as they were before the block."""
+    import random
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
