@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -305,7 +306,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, tot
     warmup_steps = config.warmup_steps if config.warmup_steps is not None else math.ceil(config.warmup_ratio * total_steps)
     # The option names the schedule after warmup; transformers' plain "constant" would skip the warmup.
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    # A run drawn out past its plan (PPO's min_generated_tokens) keeps the schedule's last learning rate: cosine's
+    # formula would otherwise rise again after its end.
+    scheduler.lr_lambdas = [functools.partial(_held_after, schedule, total_steps) for schedule in scheduler.lr_lambdas]
+    return scheduler
+
+
+def _held_after(schedule, total_steps: int, step: int) -> float:
+    return schedule(min(step, total_steps))
 
 
 def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_last_micro_batch: bool):

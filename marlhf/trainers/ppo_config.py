@@ -161,7 +161,7 @@ class PPOConfig(TrainingConfig):
     min_generated_tokens: int | None = option(
         None, "token budget: do not end the run at max_steps before the tokens generated so far (as "
               "max_generated_tokens counts them) reach N; it goes on a step at a time until they do, the "
-              "learning-rate schedule still laid out over max_steps and continued past it by its formula; "
+              "learning-rate schedule laid out over max_steps and held at its last value past it (cosine's: 0); "
               "none: off", ge=1)
     kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
                                     "must exceed 0.2 x the responses per step)", ge=1)

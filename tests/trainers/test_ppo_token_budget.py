@@ -93,3 +93,31 @@ def test_after_step_sees_each_step_and_does_not_change_the_run(tmp_path, make_ti
 def test_min_above_max_is_refused():
     with pytest.raises(ValueError, match="min_generated_tokens"):
         PPOConfig(min_generated_tokens=10, max_generated_tokens=5)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_the_learning_rate_past_the_plan_is_the_schedules_last(schedule):
+    """Within the plan the schedule is transformers' own; past it (a run drawn out by min_generated_tokens) the
+    last value holds, where cosine's formula would rise again."""
+    from transformers import get_scheduler
+
+    from marlhf.trainers.common import make_scheduler
+
+    def rates(scheduler, steps):
+        out = []
+        for _ in range(steps):
+            out.append(scheduler.get_last_lr()[0])
+            scheduler.optimizer.step()
+            scheduler.step()
+        return out
+
+    def optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    config = PPOConfig(model_name_or_path="x", lr_scheduler=schedule, warmup_steps=2)
+    held = rates(make_scheduler(optimizer(), config, 10), 16)
+    name = "constant_with_warmup" if schedule == "constant" else schedule
+    plain = rates(get_scheduler(name, optimizer(), num_warmup_steps=2, num_training_steps=10), 16)
+    assert held[:11] == plain[:11] and held[11:] == [held[10]] * 5
+    if schedule == "cosine":
+        assert plain[15] > plain[10] == 0.0  # what the hold prevents
