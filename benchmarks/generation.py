@@ -35,7 +35,7 @@ import torch
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
 from marlhf.cli import quiet_libraries
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 from marlhf.engines.hf import generate_responses
 
 VLLM = ("vllm engine", "vllm's")

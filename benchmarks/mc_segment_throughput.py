@@ -29,7 +29,7 @@ from ppo_step import llama, word_tokenizer
 from marlhf.continuations import PrefixContinuations
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 from marlhf.segments import fixed_ngram, keep_boundaries, num_segments
 from marlhf.trainers.ppo import _seed
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 from marlhf.rollout import forward_in_chunks, length_sorted_chunks, response_logprobs, row_lengths
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 

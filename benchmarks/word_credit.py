@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from marlhf.advantages import macro_gae
     from marlhf.demo.pipeline import load_models, max_response_tokens
-    from marlhf.modeling import ScalarHeadModel, pad_sequences
+    from marlhf.data.encoding import pad_sequences
+    from marlhf.modeling import ScalarHeadModel
     from marlhf.engines.hf import generate_responses
     from marlhf.rollout import response_values
     from marlhf.segments import fixed_ngram, word_starts, words

@@ -26,7 +26,8 @@ from marlhf.engines import (EngineContext, Generation, VLLMEngine, VLLMOptions, 
 from marlhf.engines.vllm import _policy_weights
 from marlhf.errors import MarlhfError, MissingPackage
 from marlhf.logging_utils import read_metrics
-from marlhf.modeling import ScalarHeadModel, add_lora, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import ScalarHeadModel, add_lora
 from marlhf.engines.hf import generate_responses
 from marlhf.rollout import response_logprobs
 from marlhf.trainers.ppo import PPOConfig, train_ppo

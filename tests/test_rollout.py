@@ -7,7 +7,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from marlhf.modeling import ScalarHeadModel, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import ScalarHeadModel
 from marlhf.engines.base import response_mask_from_ids
 from marlhf.engines.hf import CounterGumbelNoise, RowGumbelNoise, counter_uniforms, generate_responses, mix32
 from marlhf.rollout import (decode_responses, forward_in_chunks, length_sorted_chunks, response_logprobs,

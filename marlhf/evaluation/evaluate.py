@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from marlhf.config import ConfigBase, option
-from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, prompt_token_ids
+from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, pad_sequences, prompt_token_ids
 from marlhf.data.records import prompt_records
 from marlhf.data.tasks import get_task
 from marlhf.evaluation.judge import write_jsonl
@@ -34,7 +34,6 @@ from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
 from marlhf.engines.hf import generate_responses
-from marlhf.modeling import pad_sequences
 from marlhf.rollout import decode_responses
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)

@@ -70,7 +70,8 @@ from marlhf.losses import loss_units, value_loss
 from marlhf.plugins import Plugin
 from marlhf.policy_losses import PolicyLossBatch
 from marlhf.metrics import row_l2, token_repetition
-from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora
 from marlhf.rewards.functions import takes_record_fields
 from marlhf.continuations import PrefixContinuations
 from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_scores,
