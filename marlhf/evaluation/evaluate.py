@@ -284,15 +284,7 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
                       max_new_tokens=config.max_response_length, top_k=config.top_k, top_p=config.top_p)
 
     if config.pass_at_k is not None:
-        torch.manual_seed(config.seed)
-        policy, tokenizer = _load_policy(config.model_name_or_path, config.dtype, device)
-        programs = generate_texts(policy, tokenizer, prompts, samples_per_prompt=config.samples_per_prompt,
-                                  temperature=config.temperature, **generation)
-        result = apps_pass_at_k(records, programs, config.pass_at_k, timeout_s=config.code_timeout_s)
-        write_jsonl(output_dir / "programs.jsonl", [{"prompt": p, "difficulty": r["difficulty"], "programs": s}
-                                                    for p, r, s in zip(prompts, records, programs)])
-        _write_json(output_dir / "pass_at_k.json", result)
-        return result
+        return _pass_at_k(config, records, generation, device, output_dir)
 
     paths = [config.model_name_or_path, *(config.compare or ())]
     if config.best_of_n is not None:
@@ -331,6 +323,21 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
             "fraction_model_higher": float(np.mean(difference > 0))}  # model minus baseline, prompt by prompt
     _write_json(output_dir / "comparison.json", comparison)
     return comparison
+
+
+def _pass_at_k(config: EvaluateConfig, records: list[dict[str, Any]], generation: dict[str, Any],
+               device: torch.device, output_dir: Path) -> dict[str, Any]:
+    """APPS pass@k of the policy's programs, run against each record's unit tests."""
+    prompts = [r["prompt"] for r in records]
+    torch.manual_seed(config.seed)
+    policy, tokenizer = _load_policy(config.model_name_or_path, config.dtype, device)
+    programs = generate_texts(policy, tokenizer, prompts, samples_per_prompt=config.samples_per_prompt,
+                              temperature=config.temperature, **generation)
+    result = apps_pass_at_k(records, programs, config.pass_at_k, timeout_s=config.code_timeout_s)
+    write_jsonl(output_dir / "programs.jsonl", [{"prompt": p, "difficulty": r["difficulty"], "programs": s}
+                                                for p, r, s in zip(prompts, records, programs)])
+    _write_json(output_dir / "pass_at_k.json", result)
+    return result
 
 
 def _best_of_n(config: EvaluateConfig, path: str, prompts: list[str], generation: dict[str, Any],
