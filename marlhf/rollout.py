@@ -10,12 +10,19 @@ log-probs of token t and the critic's value of the state just before it. Samplin
 
 Call these with the models in eval mode: PPO's ratio compares the rollout's log-probs with a later
 forward pass of the same weights, which dropout would perturb.
+
+`score_responses` returns an `Experience`, the one batch type of a PPO step, which the trainer's stages then fill.
+Vocabulary (docs/algorithm.md): a *row* is one sampled response with its prompt; a step's rows on one process
+are its rollout; a *mini-batch* is the rows of one optimizer update; a *piece* is the rows of one forward pass
+(within a mini-batch: mini-batch / gradient_accumulation_steps rows), rows of similar length together with the
+padding they all share cut off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,20 +32,103 @@ from marlhf.modeling import ScalarHeadModel, sequence_logprobs, sequence_logprob
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
 
-@dataclass
-class Rollout:
-    query_ids: torch.Tensor  # [B, P] long, left-padded
-    query_mask: torch.Tensor  # [B, P] bool
-    response_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
-    response_mask: torch.Tensor  # [B, T] bool, True on response tokens (EOS included)
-    logprobs: torch.Tensor  # [B, T] policy log-probs of the sampled tokens
-    ref_logprobs: torch.Tensor | None  # [B, T] frozen reference log-probs of the same tokens; None without one
-    values: torch.Tensor | None  # [B, T] critic values before each token; None without a critic
-    scores: torch.Tensor  # [B] reward of each full response (reward model or reward function)
-    query_lengths: list[int]  # prompt tokens of each row, on the host (row_lengths)
-    response_lengths: list[int]  # response tokens of each row, on the host
-    entropy: torch.Tensor | None = None  # [B, T] the policy's entropy at each token, when asked for; else None
+@dataclasses.dataclass
+class Experience:
+    """The rows of one PPO step on this process; B rows, P prompt and T response columns. `score_responses` fills
+    the sampled and scored rollout; the trainer's stages (marlhf.trainers.ppo) fill the rest in turn.
 
+    Stage 1 (`make_experience`), from `score_responses`:
+        query_ids: long [B, P], left-padded; query_mask: bool [B, P]
+        response_ids: long [B, T], right-padded; response_mask: bool [B, T], True up to and including EOS
+        logprobs: float [B, T], the sampling policy's log-probs of the drawn tokens (detached)
+        ref_logprobs: float [B, T] or None (no reference model)
+        values: float [B, T] or None (no critic), the critic's values before each token (detached)
+        scores: float [B], one score per response (reward model or reward function)
+        query_lengths, response_lengths: list[int] (host), real tokens of each row (row_lengths)
+        entropy: float [B, T] or None, the sampling policy's entropy at each token, from the forward that gives
+            `logprobs`, kept when the estimator reads it (its `reads_entropy` trait)
+      and from the trainer:
+        step: int, the PPO step; clock: {stage: device time it ended} (host), for the time/ metrics
+        prompt_rows: list[int] (host), each row's index into the run's prompt records
+        attached_logprobs, attached_values: float [B, T] or None, the same forwards with their autograd graphs,
+            kept when the step makes one update of the whole rollout, which then backpropagates through them
+            instead of running them again (`PPOConfig.reuses_rollout_forward`)
+        rollout_logprobs: float [B, T] or None, the engine's own sampling log-probs, kept beside the trainer's
+            `logprobs` when something compares them (`PPOConfig.compares_rollout_logprobs`: the
+            rollout/logprob_diff metrics, truncated importance sampling)
+    Stage 2 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
+    Stage 3 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
+    Stage 4 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
+        continuation_tokens: int or None, the tokens of the estimator's Monte-Carlo continuations (None: it made none)
+    Stage 5 (`ppo_update`): update_stats {name: [one value per piece]}.
+    """
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None
+    scores: torch.Tensor
+    query_lengths: list[int]
+    response_lengths: list[int]
+    entropy: torch.Tensor | None = None
+    step: int = 0
+    clock: dict[str, float] = dataclasses.field(default_factory=dict)
+    prompt_rows: list[int] = dataclasses.field(default_factory=list)
+    attached_logprobs: torch.Tensor | None = None
+    attached_values: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    kl_coef: float | None = None
+    segment_ids: torch.Tensor | None = None
+    segmentation_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    continuation_tokens: int | None = None
+    update_stats: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
+    _PROMPT_COLUMNS = ("query_ids", "query_mask")
+    _RESPONSE_COLUMNS = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "values", "attached_logprobs",
+                         "attached_values", "rollout_logprobs", "entropy", "rewards", "segment_ids", "advantages",
+                         "returns")
+    _ROWS = ("scores",)
+    _HOST_ROWS = ("prompt_rows", "query_lengths", "response_lengths")
+
+    def select(self, rows: list[int]) -> Experience:
+        """These rows, in this order (every per-row field)."""
+        index = torch.tensor(rows, device=self.response_mask.device)
+        picked = {name: [getattr(self, name)[row] for row in rows] for name in self._HOST_ROWS if getattr(self, name)}
+        for name in (*self._PROMPT_COLUMNS, *self._RESPONSE_COLUMNS, *self._ROWS):
+            value = getattr(self, name)
+            picked[name] = value[index] if value is not None else None
+        return dataclasses.replace(self, **picked)
+
+    def trimmed(self) -> Experience:
+        """The same rows without the columns that are padding in all of them (leading prompt columns, trailing
+        response columns; `trim_padding`)."""
+        query_ids, query_mask, response_ids, _ = trim_padding(self.query_ids, self.query_mask, self.response_ids,
+                                                              self.response_mask, self.query_lengths,
+                                                              self.response_lengths)
+        width = response_ids.shape[1]
+        cut = {name: getattr(self, name)[:, :width] for name in self._RESPONSE_COLUMNS
+               if getattr(self, name) is not None}
+        return dataclasses.replace(self, **cut, query_ids=query_ids, query_mask=query_mask)
+
+    def pieces(self, rows: list[int], piece_size: int) -> Iterator[tuple[bool, list[int], Experience]]:
+        """`rows` in length-sorted pieces of at most `piece_size` rows, each trimmed: (is_last, its rows, piece).
+        Rows of similar length share a piece, so trimming cuts most of their padding."""
+        chunks = length_sorted_chunks([self.query_lengths[row] for row in rows],
+                                      [self.response_lengths[row] for row in rows], piece_size)
+        for number, chunk in enumerate(chunks):
+            piece_rows = [rows[i] for i in chunk]
+            yield number == len(chunks) - 1, piece_rows, self.select(piece_rows).trimmed()
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_ids, query_mask, response_ids, response_mask): what the policy and critic forwards take."""
+        return self.query_ids, self.query_mask, self.response_ids, self.response_mask
 
 
 def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -178,7 +268,7 @@ def score_responses(
     reward_kwargs: dict[str, list] | None = None,
     with_entropy: bool = False,
     entropy: torch.Tensor | None = None,
-) -> Rollout:
+) -> Experience:
     """Everything PPO needs about sampled responses, one batched forward per model: policy and
     reference log-probs (none when `ref` is None), critic values (when there is a critic) and one score per
     response, from `reward_model` or, when given instead, from `reward_fn(prompts, decoded_responses)`.
@@ -218,8 +308,8 @@ def score_responses(
     logprobs, values = logprobs.detach(), values.detach() if values is not None else None
     scores = response_scores(*batch, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts,
                              tokenizer=tokenizer, chunk_size=chunk_size, reward_kwargs=reward_kwargs, lengths=lengths)
-    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores, *lengths,
-                   entropy=entropy.detach() if with_entropy else None)
+    return Experience(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores,
+                      *lengths, entropy=entropy.detach() if with_entropy else None)
 
 
 def _check_reward_source(reward_model, reward_fn, prompts, tokenizer, num_rows: int) -> None:
