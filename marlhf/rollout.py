@@ -1,7 +1,7 @@
 """Scoring PPO's rollouts: log-probs, values and scores of sampled responses, one batched forward per model.
 
 Layout of one batch (B rows): the prompts are left-padded `[B, P]` and the sampled responses are
-right-padded `[B, T]`, so `cat([query, response], 1)` puts every prompt's last token at column
+right-padded `[B, T]`, so `cat([prompt, response], 1)` puts every prompt's last token at column
 P - 1 and every response's first token at column P. A response keeps its EOS token; tokens after
 the first EOS are padding (mask False). All per-token outputs are `[B, T]` over response tokens,
 0 on padding, aligned so that position t describes the action "emit response token t":
@@ -38,13 +38,13 @@ class Experience:
     the sampled and scored rollout; the trainer's stages (marlhf.trainers.ppo) fill the rest in turn.
 
     Stage 1 (`make_experience`), from `score_responses`:
-        query_ids: long [B, P], left-padded; query_mask: bool [B, P]
+        prompt_ids: long [B, P], left-padded; prompt_mask: bool [B, P]
         response_ids: long [B, T], right-padded; response_mask: bool [B, T], True up to and including EOS
         logprobs: float [B, T], the sampling policy's log-probs of the drawn tokens (detached)
         ref_logprobs: float [B, T] or None (no reference model)
         values: float [B, T] or None (no critic), the critic's values before each token (detached)
         scores: float [B], one score per response (reward model or reward function)
-        query_lengths, response_lengths: list[int] (host), real tokens of each row (row_lengths)
+        prompt_lengths, response_lengths: list[int] (host), real tokens of each row (row_lengths)
         entropy: float [B, T] or None, the sampling policy's entropy at each token, from the forward that gives
             `logprobs`, kept when the estimator reads it (its `reads_entropy` trait)
       and from the trainer:
@@ -63,15 +63,15 @@ class Experience:
     Stage 5 (`ppo_update`): update_stats {name: [one value per piece]}.
     """
 
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     scores: torch.Tensor
-    query_lengths: list[int]
+    prompt_lengths: list[int]
     response_lengths: list[int]
     entropy: torch.Tensor | None = None
     step: int = 0
@@ -90,12 +90,12 @@ class Experience:
     update_stats: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
-    _PROMPT_COLUMNS = ("query_ids", "query_mask")
+    _PROMPT_COLUMNS = ("prompt_ids", "prompt_mask")
     _RESPONSE_COLUMNS = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "values", "attached_logprobs",
                          "attached_values", "rollout_logprobs", "entropy", "rewards", "segment_ids", "advantages",
                          "returns")
     _ROWS = ("scores",)
-    _HOST_ROWS = ("prompt_rows", "query_lengths", "response_lengths")
+    _HOST_ROWS = ("prompt_rows", "prompt_lengths", "response_lengths")
 
     def select(self, rows: list[int]) -> Experience:
         """These rows, in this order (every per-row field)."""
@@ -109,83 +109,83 @@ class Experience:
     def trimmed(self) -> Experience:
         """The same rows without the columns that are padding in all of them (leading prompt columns, trailing
         response columns; `trim_padding`)."""
-        query_ids, query_mask, response_ids, _ = trim_padding(self.query_ids, self.query_mask, self.response_ids,
-                                                              self.response_mask, self.query_lengths,
-                                                              self.response_lengths)
+        prompt_ids, prompt_mask, response_ids, _ = trim_padding(self.prompt_ids, self.prompt_mask, self.response_ids,
+                                                                self.response_mask, self.prompt_lengths,
+                                                                self.response_lengths)
         width = response_ids.shape[1]
         cut = {name: getattr(self, name)[:, :width] for name in self._RESPONSE_COLUMNS
                if getattr(self, name) is not None}
-        return dataclasses.replace(self, **cut, query_ids=query_ids, query_mask=query_mask)
+        return dataclasses.replace(self, **cut, prompt_ids=prompt_ids, prompt_mask=prompt_mask)
 
     def pieces(self, rows: list[int], piece_size: int) -> Iterator[tuple[bool, list[int], Experience]]:
         """`rows` in length-sorted pieces of at most `piece_size` rows, each trimmed: (is_last, its rows, piece).
         Rows of similar length share a piece, so trimming cuts most of their padding."""
-        chunks = length_sorted_chunks([self.query_lengths[row] for row in rows],
+        pieces = length_sorted_pieces([self.prompt_lengths[row] for row in rows],
                                       [self.response_lengths[row] for row in rows], piece_size)
-        for number, chunk in enumerate(chunks):
-            piece_rows = [rows[i] for i in chunk]
-            yield number == len(chunks) - 1, piece_rows, self.select(piece_rows).trimmed()
+        for number, piece in enumerate(pieces):
+            piece_rows = [rows[i] for i in piece]
+            yield number == len(pieces) - 1, piece_rows, self.select(piece_rows).trimmed()
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(query_ids, query_mask, response_ids, response_mask): what the policy and critic forwards take."""
-        return self.query_ids, self.query_mask, self.response_ids, self.response_mask
+        """(prompt_ids, prompt_mask, response_ids, response_mask): what the policy and critic forwards take."""
+        return self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask
 
 
-def _sequence(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
+def _sequence(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)` of prompt + response."""
-    return torch.cat([query_ids, response_ids], dim=1), torch.cat([query_mask, response_mask], dim=1).long()
+    return torch.cat([prompt_ids, response_ids], dim=1), torch.cat([prompt_mask, response_mask], dim=1).long()
 
 
-def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+def row_lengths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[int], list[int]]:
     """Prompt and response token counts of each row, read to the host once (one device read) so that
-    trim_padding and length_sorted_chunks need none."""
-    query_lengths, response_lengths = torch.stack([query_mask.sum(1), response_mask.sum(1)]).tolist()
-    return query_lengths, response_lengths
+    trim_padding and length_sorted_pieces need none."""
+    prompt_lengths, response_lengths = torch.stack([prompt_mask.sum(1), response_mask.sum(1)]).tolist()
+    return prompt_lengths, response_lengths
 
 
-def trim_padding(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
-                 response_mask: torch.Tensor, query_lengths: Sequence[int],
+def trim_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                 response_mask: torch.Tensor, prompt_lengths: Sequence[int],
                  response_lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same rows without the columns that are padding in all of them (leading prompt columns, trailing
     response columns; at least one response column stays), given the rows' token counts (row_lengths).
     Positions come from the masks, so outputs on real tokens do not change, and a forward pass costs only
     the columns left."""
-    first = query_ids.shape[1] - max(query_lengths, default=0)  # left padding: the real columns are a suffix
+    first = prompt_ids.shape[1] - max(prompt_lengths, default=0)  # left padding: the real columns are a suffix
     width = max(max(response_lengths, default=0), 1)  # right padding: the real columns are a prefix
-    return query_ids[:, first:], query_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
+    return prompt_ids[:, first:], prompt_mask[:, first:], response_ids[:, :width], response_mask[:, :width]
 
 
-def length_sorted_chunks(query_lengths: Sequence[int], response_lengths: Sequence[int],
-                         chunk_size: int) -> list[list[int]]:
-    """Row indices, longest rows (prompt + response tokens) first, ties in row order, in chunks of at most
-    `chunk_size`: rows of similar length share a chunk, so trim_padding cuts most of each chunk's padding."""
-    if chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be >= 1, got {chunk_size}")
-    lengths = [q + r for q, r in zip(query_lengths, response_lengths, strict=True)]
+def length_sorted_pieces(prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                         piece_size: int) -> list[list[int]]:
+    """Row indices, longest rows (prompt + response tokens) first, ties in row order, in pieces of at most
+    `piece_size`: rows of similar length share a piece, so trim_padding cuts most of each piece's padding."""
+    if piece_size < 1:
+        raise ValueError(f"`piece_size` must be >= 1, got {piece_size}")
+    lengths = [q + r for q, r in zip(prompt_lengths, response_lengths, strict=True)]
     order = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # sorted is stable
-    return [order[start : start + chunk_size] for start in range(0, len(order), chunk_size)]
+    return [order[start : start + piece_size] for start in range(0, len(order), piece_size)]
 
 
-def forward_in_chunks(forward: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], query_ids: torch.Tensor,
-                      query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      chunk_size: int | None = None, lengths: tuple[Sequence[int], Sequence[int]] | None = None
+def forward_in_pieces(forward: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], prompt_ids: torch.Tensor,
+                      prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                      piece_size: int | None = None, lengths: tuple[Sequence[int], Sequence[int]] | None = None
                       ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """`forward(query_ids, query_mask, response_ids, response_mask)` over length_sorted_chunks of the rows, each
+    """`forward(prompt_ids, prompt_mask, response_ids, response_mask)` over length_sorted_pieces of the rows, each
     trimmed by trim_padding, put back in row order: `[B]` results as they are, `[rows, T']` per-token results
     right-padded with 0 to `[B, T]`; a forward that returns a tuple of such results gives the tuple of them.
-    `chunk_size` None: all rows at once. `lengths`: the rows' row_lengths, if the caller has them (else read
+    `piece_size` None: all rows at once. `lengths`: the rows' row_lengths, if the caller has them (else read
     here)."""
-    batch = (query_ids, query_mask, response_ids, response_mask)
-    query_lengths, response_lengths = lengths if lengths is not None else row_lengths(query_mask, response_mask)
-    chunks = length_sorted_chunks(query_lengths, response_lengths, chunk_size or query_ids.shape[0])
+    batch = (prompt_ids, prompt_mask, response_ids, response_mask)
+    prompt_lengths, response_lengths = lengths if lengths is not None else row_lengths(prompt_mask, response_mask)
+    pieces = length_sorted_pieces(prompt_lengths, response_lengths, piece_size or prompt_ids.shape[0])
     outputs = []
-    for rows in chunks:
-        index = torch.tensor(rows, device=query_ids.device)
-        output = forward(*trim_padding(*(x[index] for x in batch), [query_lengths[row] for row in rows],
+    for rows in pieces:
+        index = torch.tensor(rows, device=prompt_ids.device)
+        output = forward(*trim_padding(*(x[index] for x in batch), [prompt_lengths[row] for row in rows],
                                        [response_lengths[row] for row in rows]))
         outputs.append(output if isinstance(output, tuple) else (output,))
-    order = torch.tensor([row for rows in chunks for row in rows], device=query_ids.device).argsort()
+    order = torch.tensor([row for rows in pieces for row in rows], device=prompt_ids.device).argsort()
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         return nn.functional.pad(x, (0, response_ids.shape[1] - x.shape[1])) if x.dim() == 2 else x
@@ -196,8 +196,8 @@ def forward_in_chunks(forward: Callable[..., torch.Tensor | tuple[torch.Tensor, 
 
 def response_logprobs(
     model: nn.Module,
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: float = 1.0,
@@ -205,7 +205,7 @@ def response_logprobs(
     """Log-probs `[B, T]` of the response tokens under `model`, from logits divided by the sampling
     temperature (the distribution the tokens were drawn from, before top-k/top-p truncation). One
     forward pass; gradients flow when enabled. 0 on padding."""
-    input_ids, attention_mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    input_ids, attention_mask = _sequence(prompt_ids, prompt_mask, response_ids, response_mask)
     logprobs = sequence_logprobs(model, input_ids, attention_mask, num_tokens=response_ids.shape[1],
                                  temperature=temperature)
     return logprobs.masked_fill(~response_mask, 0.0)
@@ -213,15 +213,15 @@ def response_logprobs(
 
 def response_logprobs_and_entropy(
     model: nn.Module,
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`response_logprobs` and, from the same forward, the entropy `[B, T]` of softmax(logits / temperature) at each
     response token (no gradient; 0 on padding)."""
-    input_ids, attention_mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    input_ids, attention_mask = _sequence(prompt_ids, prompt_mask, response_ids, response_mask)
     logprobs, entropy = sequence_logprobs_and_entropy(model, input_ids, attention_mask,
                                                       num_tokens=response_ids.shape[1], temperature=temperature)
     return logprobs.masked_fill(~response_mask, 0.0), entropy.masked_fill(~response_mask, 0.0)
@@ -229,14 +229,14 @@ def response_logprobs_and_entropy(
 
 def response_values(
     critic: nn.Module,
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> torch.Tensor:
     """Critic values `[B, T]`: entry t is the value of the state before response token t (the
     critic's output at column P-1+t). 0 on padding."""
-    values = critic(*_sequence(query_ids, query_mask, response_ids, response_mask))
+    values = critic(*_sequence(prompt_ids, prompt_mask, response_ids, response_mask))
     num_response = response_ids.shape[1]
     return values[:, -num_response - 1 : -1].masked_fill(~response_mask, 0.0)
 
@@ -249,8 +249,8 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
 
 @torch.no_grad()
 def score_responses(
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     *,
@@ -264,7 +264,7 @@ def score_responses(
     reward_fn: RewardFn | None = None,
     prompts: list[str] | None = None,
     tokenizer=None,
-    chunk_size: int | None = None,
+    piece_size: int | None = None,
     reward_kwargs: dict[str, list] | None = None,
     with_entropy: bool = False,
     entropy: torch.Tensor | None = None,
@@ -277,24 +277,24 @@ def score_responses(
     gradients, when its update reuses that forward); likewise the critic's values come from `critic` or are
     `values`. `with_entropy` also keeps the policy's entropy at each token from its forward (or takes `entropy`,
     given with `logprobs`). Given tensors are stored detached. `reward_kwargs` (record fields, a list each) go to
-    `reward_fn` as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `chunk_size` rows at a
-    time (None: all), rows of similar length together with their common padding cut (forward_in_chunks)."""
+    `reward_fn` as keyword arguments (TRL's convention, marlhf.rewards.functions). Models see `piece_size` rows at a
+    time (None: all), rows of similar length together with their common padding cut (forward_in_pieces)."""
     if (policy is None) == (logprobs is None):
         raise ValueError("give exactly one of `policy` and `logprobs`")
     if with_entropy and (policy is None) == (entropy is None):
         raise ValueError("`with_entropy` takes the entropy from `policy`'s forward, or as `entropy` with `logprobs`")
     if critic is not None and values is not None:
         raise ValueError("give at most one of `critic` and `values`")
-    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, query_ids.shape[0])
-    batch = (query_ids, query_mask, response_ids, response_mask)
+    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, prompt_ids.shape[0])
+    batch = (prompt_ids, prompt_mask, response_ids, response_mask)
     for name, given in (("logprobs", logprobs), ("values", values)):
         if given is not None and given.shape != response_ids.shape:
             raise ValueError(f"`{name}` has shape {tuple(given.shape)}, the responses {tuple(response_ids.shape)}")
 
-    lengths = row_lengths(query_mask, response_mask)
+    lengths = row_lengths(prompt_mask, response_mask)
 
     def run(forward: Callable[..., torch.Tensor]) -> torch.Tensor:
-        return forward_in_chunks(forward, *batch, chunk_size=chunk_size, lengths=lengths)
+        return forward_in_pieces(forward, *batch, piece_size=piece_size, lengths=lengths)
 
     if policy is not None and with_entropy:
         logprobs, entropy = run(lambda *rows: response_logprobs_and_entropy(policy, *rows, temperature=temperature))
@@ -307,8 +307,8 @@ def score_responses(
         values = run(lambda *rows: response_values(critic, *rows))
     logprobs, values = logprobs.detach(), values.detach() if values is not None else None
     scores = response_scores(*batch, reward_model=reward_model, reward_fn=reward_fn, prompts=prompts,
-                             tokenizer=tokenizer, chunk_size=chunk_size, reward_kwargs=reward_kwargs, lengths=lengths)
-    return Experience(query_ids, query_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores,
+                             tokenizer=tokenizer, piece_size=piece_size, reward_kwargs=reward_kwargs, lengths=lengths)
+    return Experience(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ref_logprobs, values, scores,
                       *lengths, entropy=entropy.detach() if with_entropy else None)
 
 
@@ -323,8 +323,8 @@ def _check_reward_source(reward_model, reward_fn, prompts, tokenizer, num_rows: 
 
 @torch.no_grad()
 def response_scores(
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     *,
@@ -332,20 +332,20 @@ def response_scores(
     reward_fn: RewardFn | None = None,
     prompts: list[str] | None = None,
     tokenizer=None,
-    chunk_size: int | None = None,
+    piece_size: int | None = None,
     reward_kwargs: dict[str, list] | None = None,
     lengths: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """One score per response `[B]`: `reward_model` at the last real token of prompt + response (`chunk_size` rows
-    at a time, forward_in_chunks; `lengths`: the rows' row_lengths if known), or, when given instead,
+    """One score per response `[B]`: `reward_model` at the last real token of prompt + response (`piece_size` rows
+    at a time, forward_in_pieces; `lengths`: the rows' row_lengths if known), or, when given instead,
     `reward_fn(prompts, decoded_responses, **reward_kwargs)` (score_responses' arguments)."""
-    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, query_ids.shape[0])
+    _check_reward_source(reward_model, reward_fn, prompts, tokenizer, prompt_ids.shape[0])
     if reward_model is not None:
-        return forward_in_chunks(lambda *rows: reward_model.score(*_sequence(*rows)), query_ids, query_mask,
-                                 response_ids, response_mask, chunk_size=chunk_size, lengths=lengths)
+        return forward_in_pieces(lambda *rows: reward_model.score(*_sequence(*rows)), prompt_ids, prompt_mask,
+                                 response_ids, response_mask, piece_size=piece_size, lengths=lengths)
     responses = decode_responses(tokenizer, response_ids, response_mask)
     scores = torch.tensor([float(s) for s in reward_fn(prompts, responses, **(reward_kwargs or {}))],
-                          device=query_ids.device)
+                          device=prompt_ids.device)
     if scores.shape != (len(responses),):
         raise ValueError(f"`reward_fn` returned {scores.numel()} scores for {len(responses)} responses")
     return scores

@@ -93,21 +93,21 @@ def sampled_batches(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], 
                     batch_size: int = 16, max_prompt_length: int = 512, max_new_tokens: int = 512,
                     temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0,
                     ) -> Iterator[tuple[tuple[torch.Tensor, ...], list[str]]]:
-    """Sampled responses batch by batch: `((query_ids, query_mask, response_ids, response_mask), texts)` (texts
+    """Sampled responses batch by batch: `((prompt_ids, prompt_mask, response_ids, response_mask), texts)` (texts
     decoded, special tokens removed), `samples_per_prompt` consecutive rows per prompt. Prompts keep their last
     `max_prompt_length` tokens and a leading `<bos>`. Sampling uses torch's global RNG: seed it first."""
     device = next(policy.parameters()).device
-    prompt_ids = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
-    rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
+    prompt_tokens = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
+    rows = [ids for ids in prompt_tokens for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
     for start in tqdm(range(0, len(rows), batch_size), desc="generate", disable=None, leave=False):
-        query_ids, query_mask = pad_sequences(rows[start:start + batch_size], tokenizer.pad_token_id, "left")
-        query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+        prompt_ids, prompt_mask = pad_sequences(rows[start:start + batch_size], tokenizer.pad_token_id, "left")
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
         response_ids, response_mask = generate_responses(
-            policy, query_ids, query_mask, max_new_tokens=max_new_tokens,
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
-        yield (query_ids, query_mask, response_ids, response_mask), decode_responses(tokenizer, response_ids,
-                                                                                     response_mask)
+        yield (prompt_ids, prompt_mask, response_ids, response_mask), decode_responses(tokenizer, response_ids,
+                                                                                       response_mask)
 
 
 def generate_texts(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *, samples_per_prompt: int = 1,

@@ -105,7 +105,7 @@ class PPORun:
     reward_model: ScalarHeadModel | None
     reward_fn: RewardFn | None
     prompt_records: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
+    prompt_tokens: list[list[int]]
     plan: BatchPlan
     piece_size: int  # rows per forward pass in the update
     eos_token_id: int | list[int]
@@ -142,9 +142,9 @@ def make_experience(run: PPORun, step: int) -> Experience:
     config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
     device = accelerator.device
     clock = {"start": device_clock(device)}
-    rows = [i for i in run.plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
-    query_ids, query_mask = pad_sequences([run.prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
-    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+    rows = [i for i in run.plan.pieces(step)[0] for _ in range(config.num_samples_per_prompt)]
+    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], tokenizer.pad_token_id, "left")
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
     # One random stream per response, keyed by its row among all processes' rows: the samples do not
     # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
     first_row = accelerator.process_index * config.rollout_size
@@ -156,14 +156,14 @@ def make_experience(run: PPORun, step: int) -> Experience:
     with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        generation = run.engine.generate(query_ids, query_mask, row_seeds=row_seeds,
+        generation = run.engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds,
                                          max_new_tokens=config.max_response_length,
                                          return_logprobs=wants_sampling_logprobs, **_sampling(run))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
         clock["generation"] = device_clock(device)
-        batch = (query_ids, query_mask, generation.response_ids, generation.response_mask)
+        batch = (prompt_ids, prompt_mask, generation.response_ids, generation.response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
             temperature = config.scoring_temperature
@@ -181,7 +181,7 @@ def make_experience(run: PPORun, step: int) -> Experience:
             *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
             reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
             reward_kwargs=_record_fields(run, rows), with_entropy=with_entropy,
-            chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
+            piece_size=config.forward_batch_size or run.piece_size, **model_outputs)
     clock["scoring"] = device_clock(device)
     experience = dataclasses.replace(scored, step=step, clock=clock, prompt_rows=rows,
                                      attached_logprobs=attached_logprobs, attached_values=attached_values)
@@ -206,7 +206,8 @@ def macro_actions(run: PPORun, experience: Experience) -> Experience:
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     rule = run.plugins.termination
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, rule.options,
-                              seed=_seed(config.seed, experience.step), gather_rows=lambda x: gather_rows(accelerator, x),
+                              seed=_seed(config.seed, experience.step),
+                              gather_rows=lambda x: gather_rows(accelerator, x),
                               own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
     segment_ids, stats = segment(rule.plugin, batch)
     if config.last_token_own_segment:
@@ -388,9 +389,9 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
             raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
         models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
                               reward_model=reward_model, reward_fn=reward_fn)
-        kept_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
+        kept_records, prompt_tokens = tokenize_prompts(records, tokenizer, config, accelerator)
         # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
-        plan = BatchPlan(len(prompt_ids), config, accelerator, accumulation=1)
+        plan = BatchPlan(len(prompt_tokens), config, accelerator, accumulation=1)
         piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
         updaters = prepare_training(config, accelerator, models, plan, piece_size)
         kl_control = None
@@ -401,7 +402,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
             updaters, **({"kl_coef": kl_control} if kl_control is not None else {}))
         start_step, logger = start_run(config, accelerator, trained_models, optimizers, schedulers)
         run = PPORun(config, accelerator, tokenizer, plugins, engine, updaters, models.ref, models.reward_model,
-                     models.reward_fn, kept_records, prompt_ids, plan, piece_size, kl_control=kl_control,
+                     models.reward_fn, kept_records, prompt_tokens, plan, piece_size, kl_control=kl_control,
                      eos_token_id=_eos_token_id(accelerator, trained_models["policy"], tokenizer))
 
         train_steps(run, start_step, logger, (trained_models, optimizers, schedulers))
@@ -492,12 +493,12 @@ def _prefix_continuations(run: PPORun, experience: Experience) -> PrefixContinua
             scores = response_scores(*batch, reward_model=run.reward_model, reward_fn=run.reward_fn,
                                      prompts=[run.prompt_records[i]["prompt"] for i in prompt_rows],
                                      tokenizer=run.tokenizer, reward_kwargs=_record_fields(run, prompt_rows),
-                                     chunk_size=config.forward_batch_size or run.piece_size)
+                                     piece_size=config.forward_batch_size or run.piece_size)
         if logged is not None:
             run.reward_fn.last_means = logged
         return _clipped(run, scores)
 
-    return PrefixContinuations(experience.query_ids, experience.query_mask, experience.response_ids, generate, score,
+    return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
                                lambda row, length, sample: _seed(config.seed, step, first_row + row, length + 1,
                                                                  sample),
                                config.max_response_length, run.tokenizer.pad_token_id)
