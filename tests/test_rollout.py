@@ -351,7 +351,7 @@ def test_trim_padding_equals_the_columns_the_masks_use():
             assert torch.equal(got, want)
 
 
-def test_length_sorted_chunks_cover_every_row_once():
+def test_length_sorted_pieces_cover_every_row_once():
     generator = torch.Generator().manual_seed(0)
     prompt_mask = torch.arange(9) >= torch.randint(0, 9, (11, 1), generator=generator)
     response_mask = torch.arange(7) < torch.randint(0, 8, (11, 1), generator=generator)
@@ -366,7 +366,7 @@ def test_length_sorted_chunks_cover_every_row_once():
 
 
 @pytest.mark.parametrize("piece_size", [None, 1, 3, 10])
-def test_forward_in_chunks_equals_one_padded_forward(piece_size):
+def test_forward_in_pieces_equals_one_padded_forward(piece_size):
     """Length-sorted, trimmed pieces give what one forward over the whole padded batch gives, in row order,
     for per-token and per-row outputs, with gradients."""
     policy = _eight_token_lm(0)

@@ -142,7 +142,8 @@ def make_experience(run: PPORun, step: int) -> Experience:
     config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
     device = accelerator.device
     clock = {"start": device_clock(device)}
-    rows = [i for i in run.plan.pieces(step)[0] for _ in range(config.num_samples_per_prompt)]
+    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
+    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
     prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], tokenizer.pad_token_id, "left")
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
     # One random stream per response, keyed by its row among all processes' rows: the samples do not
@@ -167,10 +168,9 @@ def make_experience(run: PPORun, step: int) -> Experience:
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
             temperature = config.scoring_temperature
-            logprobs, entropy = (response_logprobs_and_entropy(run.policy, *batch, temperature=temperature)
-                                 if with_entropy else (response_logprobs(run.policy, *batch, temperature=temperature),
-                                                       None))
-            attached_logprobs = logprobs
+            attached_logprobs, entropy = (
+                response_logprobs_and_entropy(run.policy, *batch, temperature=temperature) if with_entropy
+                else (response_logprobs(run.policy, *batch, temperature=temperature), None))
             attached_values = response_values(run.critic, *batch) if run.critic is not None else None
             model_outputs = dict(logprobs=attached_logprobs, values=attached_values, entropy=entropy)
         elif keeps_sampling_logprobs:

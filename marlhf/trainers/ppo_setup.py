@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -69,9 +69,9 @@ class Plugins:
 @dataclasses.dataclass
 class Updater:
     """One trained model and what steps it, prepared by Accelerate: its optimizer, learning-rate scheduler and
-    finite-update guard (a NaN or inf gradient norm skips the step). `role`: "policy" or "critic"."""
+    finite-update guard (a NaN or inf gradient norm skips the step)."""
 
-    role: str
+    role: Literal["policy", "critic"]
     model: torch.nn.Module
     optimizer: Any
     scheduler: Any
