@@ -279,21 +279,8 @@ def _run_demo(config: DemoConfig) -> dict:
                                          rl_prompts, eval_prompts, method))
     clock = stage_done("ppo", clock)
 
-    # ---- DPO on the reward model's preference pairs ------------------------------------------
     if "dpo" in config.methods:
-        # As many optimizer updates as a PPO run (two per step), each on ppo_batch_size / 2 pairs.
-        finals["dpo"] = []
-        for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
-            run_dir = out / "runs" / "dpo" / f"seed{seed}"
-            dpo_config = DPOConfig(
-                model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), overwrite_output_dir=True,
-                seed=seed, save_steps=0,
-                max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
-                learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
-                max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
-            policy = train_dpo(dpo_config, preference_records, tokenizer=tokenizer)
-            finals["dpo"].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
-                                              "dpo", seed))
+        finals["dpo"] = _run_dpo(config, models, eval_prompts, out)
         clock = stage_done("dpo", clock)
 
     # ---- summary, plot, report -------------------------------------------------------------
@@ -306,19 +293,42 @@ def _run_demo(config: DemoConfig) -> dict:
     summary["lam"] = config.lam  # GAE lambda: not the paper's by default either
     summary["smoke_test"] = config.smoke_test
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold
-    if "dpo" in finals:
+    _write_report(config, out, summary, runs_by_method, sft_samples, task)
+    return summary
+
+
+def _run_dpo(config: DemoConfig, models, eval_prompts: list[str], out: Path) -> list[dict]:
+    """DPO on the reward model's preference pairs, one run per seed: as many optimizer updates as a PPO run (two per
+    step), each on ppo_batch_size / 2 pairs. Returns each run's final evaluation."""
+    finals = []
+    for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
+        run_dir = out / "runs" / "dpo" / f"seed{seed}"
+        dpo_config = DPOConfig(
+            model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), overwrite_output_dir=True,
+            seed=seed, save_steps=0,
+            max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
+            learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
+            max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
+        policy = train_dpo(dpo_config, models.preference_records, tokenizer=models.tokenizer)
+        finals.append(evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task,
+                                   eval_prompts, run_dir, "dpo", seed))
+    return finals
+
+
+def _write_report(config: DemoConfig, out: Path, summary: dict, runs_by_method: dict, sft_samples: list[dict],
+                  task) -> None:
+    """The curves, report.md and the results table on the terminal."""
+    held_out_gold = {"SFT": summary["sft"]["gold_reward"]}  # methods without training rollouts: their held-out gold
+    if "dpo" in summary["methods"]:
         held_out_gold["dpo"] = summary["methods"]["dpo"]["gold_reward_final"]
     plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, held_out_gold=held_out_gold,
                 parity_gold=summary["parity_target_gold_reward"])
-    write_report(summary, out / "report.md", "curves.png",
-                 examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in finals}},
-                 task=task)
+    examples = {"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in summary["methods"]}}
+    write_report(summary, out / "report.md", "curves.png", examples=examples, task=task)
     tqdm.write("\n".join(["", *results_table(summary), "", *comparison_sentences(summary), ""]))
     if config.smoke_test:
         tqdm.write(f"[demo] {SMOKE_TEST_NOTE}")
     tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
-    return summary
 
 
 def _first_sample(out: Path, method: str, seed: int) -> dict:

@@ -11,8 +11,8 @@ replace the reward model;
 the critic then starts from the reward model if one is named, else from the SFT model with a fresh
 value head.
 
-Each step, top to bottom, is six stages over one `PPORun`; the first four fill the step's `Experience`
-(marlhf.trainers.experience), `stage(run, experience) -> experience`:
+Each step, top to bottom, is six stages over one `PPORun`, each `stage(run, experience)`; the first five fill the
+step's `Experience` (marlhf.rollout) and return it, the sixth reads it:
   1. `make_experience`: sample `num_samples_per_prompt` responses per prompt with the rollout engine
      (marlhf.engines), score them (log-probs of policy and reference, critic values, one score per
      response; the policy's entropy at each token when the estimator reads it);
@@ -30,8 +30,9 @@ Each step, top to bottom, is six stages over one `PPORun`; the first four fill t
   6. `step_metrics`, checkpoint.
 
 Termination rules, estimators, policy losses and engines are plug-ins (marlhf.plugins), chosen by name or
-dotted path, each with its own options; `PPOConfig` lives in marlhf.trainers.ppo_config and what is set up
-before the first step (models, reward source, optimisers) in marlhf.trainers.ppo_setup.
+dotted path, each with its own options, resolved once into the run's `Plugins`; `PPOConfig` lives in
+marlhf.trainers.ppo_config and what is set up before the first step (plug-ins, models, reward source, each trained
+model's `Updater`) in marlhf.trainers.ppo_setup.
 
 Defaults follow the paper (docs/algorithm.md) but two: a macro action's value is the value of the state where it
 starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (Study I,
@@ -57,33 +58,34 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, low_prob_advantage_mask, whiten
 from marlhf.data.records import prompt_records, require_fields
-from marlhf.engines import EngineContext, RolloutEngine, make_engine
+from marlhf.engines import RolloutEngine
 from marlhf.estimators import AdvantageBatch
 from marlhf.kl_control import AdaptiveKLController
 from marlhf.logging_utils import MetricsLogger, reduce_metrics
 from marlhf.losses import loss_units, value_loss
-from marlhf.plugins import Plugin
 from marlhf.policy_losses import PolicyLossBatch
 from marlhf.metrics import row_l2, token_repetition
-from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, load_tokenizer, merge_lora
 from marlhf.rewards.functions import takes_record_fields
 from marlhf.continuations import PrefixContinuations
-from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_scores,
-                            response_values, score_responses)
+from marlhf.rollout import (Experience, RewardFn, response_logprobs, response_logprobs_and_entropy,
+                            response_scores, response_values, score_responses)
 from marlhf.segments import num_segments, split_last_token
 from marlhf.termination import SegmentationBatch, segment
-from marlhf.trainers.ppo_config import PLUGINS
 from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
                                     make_accelerator, maybe_save_checkpoint, optimizer_step, own_rows,
                                     records_from_config, save_final_model, start_run)
-from marlhf.trainers.experience import Experience
 from marlhf.trainers.ppo_config import PPOConfig
-from marlhf.trainers.ppo_setup import build_models, prepare_training, tokenize_prompts
+from marlhf.trainers.ppo_setup import (Plugins, Updater, build_models, checkpointed, prepare_training,
+                                       tokenize_prompts)
 
 __all__ = ["PPOConfig", "train_ppo", "Experience"]
 
@@ -93,27 +95,33 @@ StepCallback = Callable[[int, torch.nn.Module, "int | None"], None]
 
 @dataclasses.dataclass
 class PPORun:
-    """What every stage of a PPO step uses: the config, the models (prepared by Accelerate), the rollout
-    engine, the tokenized prompts and the batch plan."""
+    """What every stage of a PPO step uses: the config, the plug-ins, the rollout engine, the models (the trained
+    ones in their updaters, prepared by Accelerate), the reward source, the tokenized prompts and the batch plan."""
 
     config: PPOConfig
-    accelerator: Any
-    tokenizer: Any
-    policy: torch.nn.Module
-    critic: torch.nn.Module | None
-    ref: Any
+    accelerator: Accelerator
+    tokenizer: PreTrainedTokenizerBase
+    plugins: Plugins
+    engine: RolloutEngine
+    updaters: list[Updater]  # the policy's and, with a critic, the critic's
+    ref: torch.nn.Module | AdaptersDisabled | None  # None: nothing reads the reference
     reward_model: ScalarHeadModel | None
     reward_fn: RewardFn | None
-    engine: RolloutEngine
-    updaters: list  # (model, optimizer, scheduler, finite-update guard) of the policy, then the critic
     prompt_records: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
+    prompt_tokens: list[list[int]]
     plan: BatchPlan
     piece_size: int  # rows per forward pass in the update
-    eos_token_id: Any
+    eos_token_id: int | list[int]
     kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
     generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
-    plugins: dict[str, tuple[Plugin, Any]] = dataclasses.field(default_factory=dict)  # option -> (plug-in, options)
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self._model("policy")
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        return self._model("critic")
 
     @property
     def kl_coef(self) -> float:
@@ -121,60 +129,66 @@ class PPORun:
         return self.config.kl_coef if self.kl_control is None else self.kl_control.value
 
     def train(self, mode: bool = True) -> None:
-        for model, *_ in self.updaters:
-            model.train(mode)
+        for updater in self.updaters:
+            updater.model.train(mode)
+
+    def _model(self, role: str) -> torch.nn.Module | None:
+        return next((updater.model for updater in self.updaters if updater.role == role), None)
 
 
 # ---------------------------------------------------------------------------------------------- the stages
-def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experience:
+def make_experience(run: PPORun, step: int) -> Experience:
     """Stage 1: sample the step's responses (the samples of one prompt are consecutive rows) and score them.
 
     When one update reuses the rollout's forwards (`reuses_rollout_forward`), the policy log-probs and critic
-    values are computed with gradients and kept in the experience. Records `generation` and `scoring` end times
-    in `clock`."""
+    values are computed with gradients and kept in the experience. Its clock holds the step's start and the end
+    times of `generation` and `scoring`."""
     config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
     device = accelerator.device
-    rows = [i for i in run.plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
-    query_ids, query_mask = pad_sequences([run.prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
-    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+    clock = {"start": device_clock(device)}
+    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
+    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
+    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], tokenizer.pad_token_id, "left")
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
     # One random stream per response, keyed by its row among all processes' rows: the samples do not
     # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
     first_row = accelerator.process_index * config.rollout_size
     row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
-    attached = None
+    attached_logprobs = attached_values = None
     keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
-    with_entropy = run.plugins["advantage"][0].reads_entropy  # from the policy's forward (PPOConfig.validate)
+    with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        generation = run.engine.generate(query_ids, query_mask, row_seeds=row_seeds,
+        generation = run.engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds,
                                          max_new_tokens=config.max_response_length,
                                          return_logprobs=wants_sampling_logprobs, **_sampling(run))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
         clock["generation"] = device_clock(device)
-        batch = (query_ids, query_mask, generation.response_ids, generation.response_mask)
+        batch = (prompt_ids, prompt_mask, generation.response_ids, generation.response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
             run.train()
             temperature = config.scoring_temperature
-            logprobs, entropy = (response_logprobs_and_entropy(run.policy, *batch, temperature=temperature)
-                                 if with_entropy else (response_logprobs(run.policy, *batch, temperature=temperature),
-                                                       None))
-            attached = (logprobs, response_values(run.critic, *batch) if run.critic is not None else None)
-            model_outputs = dict(logprobs=attached[0], values=attached[1], entropy=entropy)
+            attached_logprobs, entropy = (
+                response_logprobs_and_entropy(run.policy, *batch, temperature=temperature) if with_entropy
+                else (response_logprobs(run.policy, *batch, temperature=temperature), None))
+            attached_values = response_values(run.critic, *batch) if run.critic is not None else None
+            model_outputs = dict(logprobs=attached_logprobs, values=attached_values, entropy=entropy)
         elif keeps_sampling_logprobs:
             model_outputs = dict(logprobs=generation.logprobs, critic=run.critic)
         else:
             model_outputs = dict(policy=run.policy, critic=run.critic)
-        rollout = score_responses(
+        scored = score_responses(
             *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
             reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
             reward_kwargs=_record_fields(run, rows), with_entropy=with_entropy,
-            chunk_size=config.forward_batch_size or run.piece_size, **model_outputs)
+            piece_size=config.forward_batch_size or run.piece_size, **model_outputs)
     clock["scoring"] = device_clock(device)
-    experience = Experience.from_rollout(rollout, rows, attached)
+    experience = dataclasses.replace(scored, step=step, clock=clock, prompt_rows=rows,
+                                     attached_logprobs=attached_logprobs, attached_values=attached_values)
     if config.compares_rollout_logprobs:  # beside the trainer's, not instead of them
         experience.rollout_logprobs = generation.logprobs.detach()
     return experience
@@ -190,31 +204,32 @@ def per_token_rewards(run: PPORun, experience: Experience) -> Experience:
     return dataclasses.replace(experience, rewards=rewards, kl_coef=run.kl_coef)
 
 
-def macro_actions(run: PPORun, experience: Experience, step: int) -> Experience:
+def macro_actions(run: PPORun, experience: Experience) -> Experience:
     """Stage 3: segment ids of the responses under the termination rule (marlhf.termination), and the rule's
     stats (the parsing rule: how many rows fell back to one token per segment)."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
-    rule, options = run.plugins["termination"]
-    batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, options,
-                              seed=_seed(config.seed, step), gather_rows=lambda x: gather_rows(accelerator, x),
+    rule = run.plugins.termination
+    batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, rule.options,
+                              seed=_seed(config.seed, experience.step),
+                              gather_rows=lambda x: gather_rows(accelerator, x),
                               own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
-    segment_ids, stats = segment(rule, batch)
+    segment_ids, stats = segment(rule.plugin, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
     return dataclasses.replace(experience, segment_ids=segment_ids, segmentation_stats=stats)
 
 
-def estimate_advantages(run: PPORun, experience: Experience, step: int) -> Experience:
+def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
     """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
     the tokens sampled with probability below `advantage_mask_threshold` if set (SPO's mask; after whitening, which
     would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes. An
     estimator that continues prefixes (`continue_and_score`) does so here, with the rollout's weights; its
     continuation tokens are kept for the metrics."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
-    estimator, options = run.plugins["advantage"]
-    continuations = _prefix_continuations(run, experience, step)
-    advantages, returns = estimator.obj(AdvantageBatch(
-        experience.rewards, experience.values, mask, experience.segment_ids, options,
+    estimator = run.plugins.estimator
+    continuations = _prefix_continuations(run, experience)
+    advantages, returns = estimator(AdvantageBatch(
+        experience.rewards, experience.values, mask, experience.segment_ids, estimator.options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
         gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
         response_ids=experience.response_ids, entropy=experience.entropy, continue_and_score=continuations))
@@ -227,18 +242,19 @@ def estimate_advantages(run: PPORun, experience: Experience, step: int) -> Exper
                                continuation_tokens=continuations.tokens if continuations.calls else None)
 
 
-def ppo_update(run: PPORun, experience: Experience, train_policy: bool = True) -> dict[str, list[torch.Tensor]]:
+def ppo_update(run: PPORun, experience: Experience) -> Experience:
     """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
-    step of policy (and critic) per mini-batch. `train_policy=False` (critic warm-up) updates the critic alone.
-    Returns each loss statistic per piece.
+    step of policy (and critic) per mini-batch; during the critic warm-up (`critic_warmup_steps`) the critic alone.
+    Keeps each loss statistic per piece (`update_stats`).
 
     No device read inside the pieces: the inputs are checked once here and the pieces' sizes come from host
     lengths; each optimizer step reads one number, the finite-update guard's gradient norm (a NaN or inf one
     skips the step)."""
     config = run.config
+    train_policy = experience.step >= config.critic_warmup_steps
     _check_update_inputs(experience)
     segment_counts = num_segments(experience.segment_ids).tolist()  # per row, on the host: each piece's slots
-    updaters = run.updaters if train_policy else run.updaters[1:]  # the policy's updater comes first
+    updaters = [updater for updater in run.updaters if train_policy or updater.role != "policy"]
     run.train()
     update_stats: dict[str, list[torch.Tensor]] = {}
     with trusted_inputs():
@@ -254,9 +270,9 @@ def ppo_update(run: PPORun, experience: Experience, train_policy: bool = True) -
                     stats = _update_piece(run, piece, totals, num_slots, is_last, train_policy)
                     for name, value in stats.items():
                         update_stats.setdefault(name, []).append(value)
-                for model, optimizer, scheduler, guard in updaters:
-                    optimizer_step(run.accelerator, model, optimizer, scheduler, config.max_grad_norm, guard)
-    return update_stats
+                for u in updaters:
+                    optimizer_step(run.accelerator, u.model, u.optimizer, u.scheduler, config.max_grad_norm, u.guard)
+    return dataclasses.replace(experience, update_stats=update_stats)
 
 
 def _mini_batch_loss_units(run: PPORun, experience: Experience, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -270,9 +286,8 @@ def _mini_batch_loss_units(run: PPORun, experience: Experience, rows: list[int])
     totals = {}
     if run.critic is not None:
         totals["value"] = accelerator.reduce(loss_units(mask, None, "tokens", config.loss_agg_mode), reduction="sum")
-    policy_loss, options = run.plugins["policy_loss"]
-    totals["policy"] = accelerator.reduce(policy_loss.units(mask, segment_ids, options,
-                                                            config.loss_agg_mode), reduction="sum")
+    totals["policy"] = accelerator.reduce(run.plugins.loss_units(mask, segment_ids, config.loss_agg_mode),
+                                          reduction="sum")
     return totals
 
 
@@ -285,14 +300,14 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
     mask, processes = piece.response_mask, accelerator.num_processes
     stats = {}
     if train_policy:
-        policy_loss, options = run.plugins["policy_loss"]
-        weight = policy_loss.units(mask, piece.segment_ids, options, config.loss_agg_mode) * processes / totals["policy"]
+        policy_loss = run.plugins.policy_loss
+        weight = run.plugins.loss_units(mask, piece.segment_ids, config.loss_agg_mode) * processes / totals["policy"]
         with accumulation_context(accelerator, policy, is_last):
             logprobs = piece.attached_logprobs if piece.attached_logprobs is not None else response_logprobs(
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
-            loss, loss_stats = policy_loss.obj(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
-                                                               piece.segment_ids, config.loss_agg_mode, num_slots,
-                                                               options, piece.rollout_logprobs))
+            loss, loss_stats = policy_loss(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
+                                                           piece.segment_ids, config.loss_agg_mode, num_slots,
+                                                           policy_loss.options, piece.rollout_logprobs))
             backward(accelerator, policy, loss * weight, is_last)
         stats = {"loss/policy": loss.detach(),
                  **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean")
@@ -318,10 +333,9 @@ def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
     run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item())
 
 
-def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, list[torch.Tensor]],
-                 clock: dict[str, float]) -> dict[str, float]:
+def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
     """Stage 6: the step's metrics, reduced over processes (the one place a step reads values to the host)."""
-    e, mask = experience, experience.response_mask
+    e, mask, clock = experience, experience.response_mask, experience.clock
     # KL (with a reference) and entropy: sample estimates summed over each response's tokens, averaged over
     # responses.
     metrics = {} if e.ref_logprobs is None else {
@@ -331,7 +345,7 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         "objective/rm_score": e.scores.mean(),
         "objective/response_length": mask.sum(1).float().mean(),
         "objective/repetition": token_repetition(e.response_ids, mask).mean(),
-        **{name: torch.stack(values).mean() for name, values in update_stats.items()},
+        **{name: torch.stack(values).mean() for name, values in e.update_stats.items()},
         "val/advantage_l2": row_l2(e.advantages, mask),
         "macro/mean_segment_length": mask.sum() / num_segments(e.segment_ids).sum(),
         "time/generation": clock["generation"] - clock["start"],
@@ -339,7 +353,7 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
         "time/advantages": clock["advantages"] - clock["scoring"],  # Monte-Carlo continuations included
         "time/update": clock["update"] - clock["scoring"],  # stage 4 (time/advantages) and 5
         "time/step_seconds": device_clock(run.accelerator.device) - clock["start"],
-        "train/skipped_steps": sum(guard.skipped for *_, guard in run.updaters),
+        "train/skipped_steps": sum(updater.guard.skipped for updater in run.updaters),
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
@@ -397,9 +411,8 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     accelerator = make_accelerator(config)
     # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
     # the models load and before anything is written to output_dir.
-    plugins = {option: (config.plugin(option), config.plugin_options(option)) for option in PLUGINS}
-    engine = make_engine(config.rollout_engine,
-                         EngineContext(accelerator, plugins["rollout_engine"][1], max_length=config.max_length))
+    plugins = Plugins.from_config(config)
+    engine = plugins.make_engine(accelerator, config.max_length)
     with contextlib.closing(engine):  # when training ends, also on an error: an engine may hold a model and memory
         records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
         require_fields(records, ("prompt",), "rl")
@@ -408,29 +421,28 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
             raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
         models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
                               reward_model=reward_model, reward_fn=reward_fn)
-        kept_records, prompt_ids = tokenize_prompts(records, tokenizer, config, accelerator)
+        kept_records, prompt_tokens = tokenize_prompts(records, tokenizer, config, accelerator)
         # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
-        plan = BatchPlan(len(prompt_ids), config, accelerator, accumulation=1)
+        plan = BatchPlan(len(prompt_tokens), config, accelerator, accumulation=1)
         piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
-        prepared, optimizers, schedulers, updaters = prepare_training(config, accelerator, models, plan, piece_size)
+        updaters = prepare_training(config, accelerator, models, plan, piece_size)
         kl_control = None
         if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
-            kl_control = schedulers["kl_coef"] = AdaptiveKLController(
-                config.kl_coef, config.kl_target, config.kl_horizon, config.rollout_size * accelerator.num_processes)
-        generated_tokens = None
-        if config.counts_generated_tokens:  # checkpointed beside the learning-rate schedulers
-            generated_tokens = schedulers["generated_tokens"] = GeneratedTokens()
-        start_step, logger = start_run(config, accelerator, prepared, optimizers, schedulers)
-        policy = prepared["policy"]
-        eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
-        run = PPORun(config, accelerator, tokenizer, policy, prepared.get("critic"), models.ref, models.reward_model,
-                     models.reward_fn, engine, updaters, kept_records, prompt_ids, plan, piece_size,
-                     eos_token_id if eos_token_id is not None else tokenizer.eos_token_id, kl_control, plugins=plugins,
+            kl_control = AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon,
+                                              config.rollout_size * accelerator.num_processes)
+        generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
+        more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
+        trained_models, optimizers, schedulers = checkpointed(  # beside the learning-rate schedulers
+            updaters, **{name: state for name, state in more.items() if state is not None})
+        start_step, logger = start_run(config, accelerator, trained_models, optimizers, schedulers)
+        run = PPORun(config, accelerator, tokenizer, plugins, engine, updaters, models.ref, models.reward_model,
+                     models.reward_fn, kept_records, prompt_tokens, plan, piece_size, kl_control=kl_control,
+                     eos_token_id=_eos_token_id(accelerator, trained_models["policy"], tokenizer),
                      generated_tokens=generated_tokens)
 
-        train_steps(run, start_step, logger, (prepared, optimizers, schedulers), after_step)
+        train_steps(run, start_step, logger, (trained_models, optimizers, schedulers), after_step)
         logger.close()
-        trained = policy  # as prepared: under ZeRO-3 the final weights are gathered through the policy's engine
+        trained = policy = run.policy  # as prepared: under ZeRO-3 the final weights are gathered through its engine
         policy = accelerator.unwrap_model(policy)
         if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
             trained = policy = merge_lora(policy)
@@ -452,23 +464,22 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
               disable=not accelerator.is_local_main_process) as progress:
         step = start_step
         while _goes_on(run, step):
-            clock = {"start": device_clock(accelerator.device)}
-            experience = make_experience(run, step, clock)  # 1. sample and score
+            experience = make_experience(run, step)  # 1. sample and score
             experience = per_token_rewards(run, experience)  # 2.
-            experience = macro_actions(run, experience, step)  # 3.
-            experience = estimate_advantages(run, experience, step)  # 4.
-            clock["advantages"] = device_clock(accelerator.device)
-            update_stats = ppo_update(run, experience, train_policy=step >= config.critic_warmup_steps)  # 5.
+            experience = macro_actions(run, experience)  # 3.
+            experience = estimate_advantages(run, experience)  # 4.
+            experience.clock["advantages"] = device_clock(accelerator.device)
+            experience = ppo_update(run, experience)  # 5.
             if kl_control is not None:
                 adapt_kl_coef(run, experience)
             if run.generated_tokens is not None:
                 run.generated_tokens.add(run, experience)
-            clock["update"] = device_clock(accelerator.device)
+            experience.clock["update"] = device_clock(accelerator.device)
 
             done = step = step + 1  # 6. metrics and checkpoint
             last = not _goes_on(run, done)
             if done % config.logging_steps == 0 or last:
-                metrics = step_metrics(run, experience, update_stats, clock)
+                metrics = step_metrics(run, experience)
                 logger.log(metrics, done)
                 postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
                 if "objective/kl" in metrics:
@@ -515,6 +526,13 @@ def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
     return {name: [run.prompt_records[i].get(name) for i in rows] for name in names}
 
 
+def _eos_token_id(accelerator: Accelerator, policy: torch.nn.Module,
+                  tokenizer: PreTrainedTokenizerBase) -> int | list[int]:
+    """Where a response ends: the policy's generation config's EOS id(s), else the tokenizer's."""
+    eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
+    return eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+
+
 def _sampling(run: PPORun) -> dict[str, Any]:
     """The engine's sampling settings, the same for the rollout and the Monte-Carlo continuations."""
     config = run.config
@@ -528,11 +546,11 @@ def _clipped(run: PPORun, scores: torch.Tensor) -> torch.Tensor:
     return scores if clip is None else scores.clamp(-clip, clip)
 
 
-def _prefix_continuations(run: PPORun, experience: Experience, step: int) -> PrefixContinuations:
+def _prefix_continuations(run: PPORun, experience: Experience) -> PrefixContinuations:
     """`continue_and_score` over the step's rows (marlhf.continuations): sampled by the run's engine with the
     rollout's settings, continuation j of the prefix of length t of row r (among all processes' rows) seeded by
     (seed, step, r, t + 1, j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
-    config, accelerator = run.config, run.accelerator
+    config, accelerator, step = run.config, run.accelerator, experience.step
     first_row = accelerator.process_index * config.rollout_size
 
     def generate(ids: torch.Tensor, mask: torch.Tensor, seeds: list[int], max_new_tokens: int):
@@ -547,12 +565,12 @@ def _prefix_continuations(run: PPORun, experience: Experience, step: int) -> Pre
             scores = response_scores(*batch, reward_model=run.reward_model, reward_fn=run.reward_fn,
                                      prompts=[run.prompt_records[i]["prompt"] for i in prompt_rows],
                                      tokenizer=run.tokenizer, reward_kwargs=_record_fields(run, prompt_rows),
-                                     chunk_size=config.forward_batch_size or run.piece_size)
+                                     piece_size=config.forward_batch_size or run.piece_size)
         if logged is not None:
             run.reward_fn.last_means = logged
         return _clipped(run, scores)
 
-    return PrefixContinuations(experience.query_ids, experience.query_mask, experience.response_ids, generate, score,
+    return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
                                lambda row, length, sample: _seed(config.seed, step, first_row + row, length + 1,
                                                                  sample),
                                config.max_response_length, run.tokenizer.pad_token_id)
