@@ -222,6 +222,13 @@ class ConfigBase:
         return cls.field_names() + list(cls.RENAMED)
 
     @classmethod
+    def declarations(cls) -> dict[str, tuple[Any, dataclasses.Field]]:
+        """{name: (type, the dataclass field declaring it)} of every option `input_names` lists but the old names
+        (PPOConfig's flat options are declared by their plug-ins' dataclasses)."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+    @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """{name: default} of every option `to_dict` writes (tuples as lists, as to_dict writes them)."""
         return {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in dataclasses.fields(cls)}

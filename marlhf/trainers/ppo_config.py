@@ -383,6 +383,10 @@ class PPOConfig(TrainingConfig):
         return super().input_names() + list(FLAT_OPTIONS)
 
     @classmethod
+    def declarations(cls) -> dict[str, tuple[Any, dataclasses.Field]]:
+        return {**super().declarations(), **{name: (flat.annotation, flat.field) for name, flat in FLAT_OPTIONS.items()}}
+
+    @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         return {**super().option_defaults(), **{name: list(flat.default) if isinstance(flat.default, tuple)
                                                 else flat.default for name, flat in FLAT_OPTIONS.items()}}
