@@ -120,7 +120,7 @@ def test_entropy_is_the_distributions_and_kept_only_when_read(make_tiny_causal_l
     torch.testing.assert_close(kept.entropy[1], -(probs * probs.log()).sum(-1))
     assert kept.entropy[0, 2] == 0  # padding
     assert token_entropy(torch.tensor([[[0.0, 0.0, -math.inf]]])).item() == pytest.approx(math.log(2))  # no NaN
-    with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
+    with pytest.raises(ValueError, match="old_logprobs_from='recompute'"):
         ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, rollout_logprobs="sampling",
                       mini_batch_size=4, per_device_batch_size=4)
 
