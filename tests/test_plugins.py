@@ -69,7 +69,7 @@ def test_blocks_from_yaml_and_the_command_line(tmp_path):
      r"policy loss 'scaled_clip' option 'scale' must be a number, got 'big'"),
     (dict(termination="fixed", termination_options={"lam": 3}),
      r"termination_options: 'lam' is an option of advantage estimator 'gae': set it as lam or in advantage_options"),
-    (dict(termination="fixed", termination_options={"ngram": 0}), r"ngram must be >= 1, got 0"),
+    (dict(termination="fixed", termination_options={"ngram": 0}), r"termination rule 'fixed' option 'ngram' must be >= 1, got 0"),
     (dict(advantage="gea"), r"advantage must be one of .* got 'gea' \(did you mean 'gae'\?\)"),
     (dict(policy_loss="tests.plugin_examples:nothing"), r"policy_loss 'tests.plugin_examples:nothing': cannot import"),
     (dict(rollout_engine="tests.plugin_examples:TaggedEngine", kv_cache="static"),

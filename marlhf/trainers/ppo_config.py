@@ -350,8 +350,9 @@ class PPOConfig(TrainingConfig):
         return frozenset(f.name for f in dataclasses.fields(cls))
 
     def _check_blocks(self) -> None:
-        """Each block's flat options checked as the flat flags are (type and bounds, the error naming the option),
-        those at their default dropped (so equal configs compare equal), a block left empty None."""
+        """Each block's built-in options checked (type and bounds, the error naming the plug-in and the option; one
+        given flat was checked under its flat name by expand_values), those at their default dropped (so equal
+        configs compare equal), a block left empty None."""
         for kind in PLUGINS:
             block = dict(getattr(self, f"{kind}_options") or {})
             for key in [key for key in block if key in FLAT_OPTIONS]:
@@ -359,8 +360,7 @@ class PPOConfig(TrainingConfig):
                 if flat.kind != kind:
                     raise ValueError(f"{kind}_options: {key!r} is an option of {PLUGINS[flat.kind].kind} "
                                      f"{flat.plugin!r}: set it as {key} or in {flat.kind}_options")
-                block[key] = coerce_option(key, block[key], flat.annotation)
-                check_bounds(key, block[key], flat.field.metadata.get("bounds", {}))
+                block[key] = _checked(flat, block[key], f"{PLUGINS[kind].kind} {flat.plugin!r} option {key!r}")
                 if block[key] == flat.default:
                     del block[key]
             object.__setattr__(self, f"{kind}_options", block or None)
@@ -384,7 +384,8 @@ class PPOConfig(TrainingConfig):
 
     @classmethod
     def declarations(cls) -> dict[str, tuple[Any, dataclasses.Field]]:
-        return {**super().declarations(), **{name: (flat.annotation, flat.field) for name, flat in FLAT_OPTIONS.items()}}
+        flat = {name: (option.annotation, option.field) for name, option in FLAT_OPTIONS.items()}
+        return {**super().declarations(), **flat}
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
@@ -448,7 +449,7 @@ class PPOConfig(TrainingConfig):
             for key, value in named.items():
                 _put(blocks, values, key, value, kind, True, f"the {kind} block")
         for key in [key for key in values if key in FLAT_OPTIONS]:
-            _put(blocks, values, key, values.pop(key), None, strict, None)
+            _put(blocks, values, key, _checked(FLAT_OPTIONS[key], values.pop(key), key), None, strict, None)
         for kind, block in blocks.items():
             if block or values.get(f"{kind}_options") is not None:
                 values[f"{kind}_options"] = block or None
@@ -471,7 +472,8 @@ class PPOConfig(TrainingConfig):
                 if own:
                     summary = (inspect.getdoc(plugin.obj) or "").split("\n\n")[0].replace("\n", " ")
                     group = parser.add_argument_group(
-                        f"{registry.kind} {name} (--{kind} {name}; its options also in {kind}_options)", summary or None)
+                        f"{registry.kind} {name} (--{kind} {name}; its options also in {kind}_options)",
+                        summary or None)
                     for flat in own:
                         add_option_argument(group, [f"--{flat.name}"], flat.name, flat.annotation, flat.field)
                     sections.append(group)
@@ -485,6 +487,14 @@ class PPOConfig(TrainingConfig):
                 groups.remove(group)
             index = groups.index(after) + 1
             groups[index:index] = sections
+
+
+def _checked(flat: FlatOption, value: Any, label: str) -> Any:
+    """`value` of the flat option checked against its declaration (type, bounds), in canonical form; an error
+    names `label`."""
+    value = coerce_option(label, value, flat.annotation)
+    check_bounds(label, value, flat.field.metadata.get("bounds", {}))
+    return value
 
 
 def _put(blocks: dict[str, dict], values: dict[str, Any], key: str, value: Any, kind: str | None, strict: bool,

@@ -190,10 +190,10 @@ def test_options_are_checked_in_one_line_and_listed_in_help():
             ppo_config_of(**options)
     usage = build_parser("ppo")._subparsers._group_actions[0].choices["ppo"].format_help()
     usage = " ".join(usage.split())
-    for listed in ("low_prob (threshold=0.9, interval=1, min_tokens=None, max_tokens=None)",
-                   "prefix_tree (normalize_std=True)",
-                   "entropy_weighted (level='token', alpha1=1.0, alpha2=0.1, success_threshold=0.5)",
-                   "--advantage_mask_threshold", "entropy at each token"):
+    for listed in ("termination rule low_prob (--termination low_prob", "--threshold THRESHOLD", "(default: 0.9)",
+                   "advantage estimator prefix_tree (--advantage prefix_tree", "--normalize_std [true|false]",
+                   "advantage estimator entropy_weighted (--advantage entropy_weighted", "--level {token,sequence}",
+                   "--alpha1 ALPHA1", "--success_threshold", "--advantage_mask_threshold", "entropy at each token"):
         assert listed in usage, listed
 
 
