@@ -29,6 +29,13 @@ per-token lambda is about lam ** (1 / n) for n-token segments (0.95 ** 0.2 = 0.9
 of ~100 tokens instead of ~20); the segment's other tokens carry the same A_tau, i.e. measured against
 the baseline V(segment start) rather than their own state. At lam = 1 both are the Monte Carlo return
 minus V_{t_tau}. tests/test_advantages.py checks the identity on random ragged batches.
+
+Defaults. The functions' defaults are the paper's (`lam=0.95`, `value_weighting="equal"`; the signatures of
+:func:`macro_gae` and :func:`token_gae` are fixed by the project's contract with these defaults). PPO's trainer does
+not rely on them: its defaults are `lam=1` and `value_weighting="first"` (Study II's and Study I's results:
+docs/configuration.md#why-the-defaults), and it always passes gamma, lam, value_weighting and segment_reward
+explicitly (marlhf.estimators.gae, and marlhf.losses.value_loss in marlhf.trainers.ppo), so a default here never
+decides a training run.
 """
 
 from __future__ import annotations
@@ -170,7 +177,8 @@ def token_gae(
 
     Args:
         rewards, values: float [B, T]; mask: bool [B, T].
-        lam: a float, or float [B], one lambda per row.
+        lam: a float, or float [B], one lambda per row. The default is the paper's 0.95; PPO passes its own
+            (default 1: the module docstring's Defaults).
     Returns:
         (advantages, returns): float [B, T], 0 on padding; returns = advantages + values.
     """
@@ -201,6 +209,8 @@ def macro_gae(
         rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
         lam: a float, or float [B], one lambda per row (over its segments).
         value_weighting: how token values form a segment value (see :func:`marlhf.segments.value_weights`).
+        The defaults of lam (0.95) and value_weighting ("equal") are the paper's; PPO's trainer passes its own
+        explicitly (lam=1, value_weighting="first" by default: the module docstring's Defaults).
         segment_reward: "sum" (the paper), "mean" (the released code with `equal`, which shrinks the KL
             penalty by about 1/|tau|) or "weighted" (the released code in general: the token rewards weighted
             by the value weighting's sigma, as its segment values are; with `equal` it is "mean"; the released

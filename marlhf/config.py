@@ -14,6 +14,11 @@ API (for trainer authors):
     MyConfig.add_arguments(parser); MyConfig.from_arguments(namespace)   (used by marlhf.cli subcommands)
     config.to_dict(); config.save_yaml(path)
 
+An option renamed keeps its old name as an alias (`RENAMED = {"old": "new"}`: files, flags and keyword arguments;
+`--help` shows it beside the new one). A config may take options that are not its fields (PPOConfig's flat
+plug-in options): it lists them in `input_names`, their defaults in `option_defaults`, and rewrites them into
+fields in `expand_values`.
+
 Supported field types: bool (`--name` or `--name true|false` on the command line), int, float, str, Literal[...],
 tuple[T, ...], dict[str, Any] (a mapping: a YAML mapping in a file, YAML flow text `'{a: 1}'` on the command
 line), and `X | None` of these.
@@ -193,6 +198,7 @@ class ConfigBase:
     """Base of every marlhf config: typed, bounded fields; YAML and CLI round trips."""
 
     HELP_SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {}  # --help title -> field names
+    RENAMED: typing.ClassVar[dict[str, str]] = {}  # an option's old name -> its field, kept as an alias
 
     def __post_init__(self) -> None:
         self.validate()
@@ -210,11 +216,34 @@ class ConfigBase:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def input_names(cls) -> list[str]:
+        """The names a config file, a flag or a keyword argument may set: the fields, their old names (RENAMED) and
+        any a subclass rewrites into fields (expand_values)."""
+        return cls.field_names() + list(cls.RENAMED)
+
+    @classmethod
+    def declarations(cls) -> dict[str, tuple[Any, dataclasses.Field]]:
+        """{name: (type, the dataclass field declaring it)} of every option `input_names` lists but the old names
+        (PPOConfig's flat options are declared by their plug-ins' dataclasses)."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """{name: default} of every option `to_dict` writes (tuples as lists, as to_dict writes them)."""
+        return {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def as_written(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """A config.yaml of an earlier version in the form `to_dict` writes now (old names renamed), to compare."""
+        return cls.rename_old_names(dict(values), strict=False)
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]):
         values = cls.expand_values(dict(values))
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            hints = "; ".join(f"{name!r}{did_you_mean(name, cls.field_names())}" for name in unknown)
+            hints = "; ".join(f"{name!r}{did_you_mean(name, cls.input_names())}" for name in unknown)
             raise ValueError(f"unknown {cls.__name__} option(s): {hints} (`--help` lists them)")
         return cls(**values)
 
@@ -225,9 +254,23 @@ class ConfigBase:
         return cls.from_dict(values)
 
     @classmethod
-    def expand_values(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite file / command-line values into fields before they are checked (PPOConfig expands plug-in
-        blocks); as they are by default."""
+    def expand_values(cls, values: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """Rewrite file / command-line / keyword values into fields before they are checked: an old name (RENAMED)
+        becomes its field (PPOConfig also expands plug-in blocks and flat plug-in options). `strict`: the old and
+        the new name given with different values is an error; else the old one wins (`dataclasses.replace(config,
+        old_name=...)` passes both)."""
+        return cls.rename_old_names(values, strict)
+
+    @classmethod
+    def rename_old_names(cls, values: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """`values` with each old name (RENAMED) replaced by its field (see expand_values for `strict`)."""
+        for old, new in cls.RENAMED.items():
+            if old in values:
+                value = values.pop(old)
+                if strict and new in values and values[new] != value:
+                    raise ValueError(f"{old} is the old name of {new}, and both are given ({value!r} and "
+                                     f"{values[new]!r}): keep {new}")
+                values[new] = value
         return values
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,19 +296,19 @@ class ConfigBase:
         if unknown:
             raise TypeError(f"{cls.__name__}.HELP_SECTIONS names fields it does not have: {unknown}")
         groups = {title: parser.add_argument_group(title) for title in cls.HELP_SECTIONS}
+        old_names = {new: old for old, new in cls.RENAMED.items()}
         for f in dataclasses.fields(cls):
             if f.name == "config":
                 raise TypeError("a config field may not be called 'config' (reserved for --config)")
-            help_text = f"{f.metadata.get('help', '')} (default: {_format_default(f.default)})"
             target = groups[section_of[f.name]] if f.name in section_of else parser
-            target.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, help=help_text,
-                                **_argparse_kwargs(f.name, hints[f.name]))
+            flags = [f"--{f.name}"] + ([f"--{old_names[f.name]}"] if f.name in old_names else [])
+            add_option_argument(target, flags, f.name, hints[f.name], f)
 
     @classmethod
     def from_arguments(cls, namespace: argparse.Namespace):
         """Defaults < values from --config < flags given on the command line."""
-        values = _read_yaml(namespace.config) if namespace.config else {}
-        values.update({name: getattr(namespace, name) for name in cls.field_names() if hasattr(namespace, name)})
+        values = cls.rename_old_names(_read_yaml(namespace.config)) if namespace.config else {}
+        values.update({name: getattr(namespace, name) for name in cls.input_names() if hasattr(namespace, name)})
         return cls.from_dict(values)
 
     @classmethod
@@ -273,6 +316,14 @@ class ConfigBase:
         parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
         cls.add_arguments(parser)
         return cls.from_arguments(parser.parse_args(argv))
+
+
+def add_option_argument(parser, flags: list[str], dest: str, annotation: Any, f: dataclasses.Field) -> None:
+    """One `--<name>` flag for the option declared by the dataclass field `f` (with its help and default); the
+    value is applied in from_arguments (no argparse default)."""
+    help_text = f"{f.metadata.get('help', '')} (default: {_format_default(f.default)})"
+    parser.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, help=help_text,
+                        **_argparse_kwargs(dest, annotation))
 
 
 def _format_default(value: Any) -> str:

@@ -194,6 +194,9 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss ``0.5 * max((V - Q)^2, (V_clipped - Q)^2)`` (unclipped when ``clip`` is None).
 
+    ``value_weighting`` defaults to the paper's "equal"; PPO's trainer passes its own explicitly (PPOConfig's
+    default "first": marlhf.advantages, Defaults).
+
     With segments, the predicted value of segment tau is the weighted sum of its token values
     (same weighting as in macro_gae) and is regressed to Q_tau; each segment is weighted by its
     token count and the sum divided by the number of masked tokens (``loss_agg_mode`` as in

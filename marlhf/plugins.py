@@ -19,9 +19,11 @@ object that was never registered is a plug-in without options), with its options
     marlhf ppo --termination my_pkg.rules:sentences --termination_options '{sentences: 2}'
     termination: {name: my_pkg.rules:sentences, sentences: 2}          # in a YAML config
 
-The built-in plug-ins' options are PPOConfig's own flat options (`--ngram 5` is `termination: {name: fixed,
-ngram: 5}`), so every earlier config and command keeps working; a block may set them too. An option the chosen
-plug-in does not declare is an error that names the plug-in and the option.
+A plug-in's options dataclass is the one home of its options (declare each with marlhf.config.option: default,
+help, bounds). The options of marlhf's own plug-ins are also PPOConfig's flat options, aliases generated from their
+dataclasses (`--ngram 5` is `termination: {name: fixed, ngram: 5}`: marlhf.trainers.ppo_config.FLAT_OPTIONS), so
+every earlier config and command keeps working. An option the chosen plug-in does not declare is an error that
+names the plug-in and the option.
 """
 
 from __future__ import annotations

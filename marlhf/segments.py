@@ -402,7 +402,8 @@ def value_weights(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The value weighting's token weights sigma, which turn token values into a segment value (they sum to 1
-    per segment; `value_weighting`, not the policy loss's `segment_weighting`).
+    per segment; `value_weighting`, not the policy loss's `segment_weighting`). The default is the paper's
+    "equal"; PPO passes its own value_weighting explicitly (default "first": marlhf.advantages, Defaults).
 
     - ``"equal"``: 1/|tau| on each token;
     - ``"unit"``: 1 on the segment's last token;
@@ -441,7 +442,8 @@ def segment_values(
     value_weighting: ValueWeighting = "equal",
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S].
+    """Segment values ``V_tau = sum_i sigma_i V_{t_tau+i}``: [B, T] -> [B, S] (``value_weighting``: the paper's
+    "equal" by default; PPO passes its own explicitly).
 
     ``lengths`` (from :func:`segment_lengths`) may be passed to save a pass over the batch.
     """

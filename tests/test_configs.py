@@ -37,7 +37,7 @@ def test_config_loads_into_its_class(path):
     task, stage = path.stem.split("-")[0], path.stem.split("-")[-1]
     config = CLASSES[stage].from_yaml(path)
     keys = set(yaml.safe_load(path.read_text()))
-    assert keys <= set(CLASSES[stage].field_names())
+    assert keys <= set(CLASSES[stage].input_names())  # fields, and PPOConfig's flat plug-in options
     batch, learning_rate = TABLE[(task, stage)]
     if stage == "ppo":
         assert config.per_device_batch_size * PROCESSES == batch

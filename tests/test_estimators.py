@@ -85,3 +85,23 @@ def test_a_registered_critic_free_estimator_trains_without_a_critic(tmp_path, ma
         assert len(metrics) == 2 and "loss/value" not in metrics[0] and seen == [None, None]
     finally:
         ESTIMATORS.pop("sign")
+
+
+def test_gae_passes_every_default_the_math_has_explicitly(monkeypatch):
+    """macro_gae's defaults are the paper's (lam 0.95, value_weighting "equal"), the trainer's are lam 1 and "first":
+    the estimator passes all of them, so the math's defaults never decide a run (marlhf.advantages, Defaults)."""
+    import inspect
+
+    import marlhf.estimators.gae as gae_module
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(inspect.signature(macro_gae).bind(*args, **kwargs).arguments)
+        return macro_gae(*args, **kwargs)
+
+    monkeypatch.setattr(gae_module, "macro_gae", recording)
+    get_estimator("gae").obj(_batch())
+    defaulted = [name for name, p in inspect.signature(macro_gae).parameters.items() if p.default is not p.empty]
+    assert calls and all(set(defaulted) <= set(call) for call in calls)
+    assert (calls[0]["lam"], calls[0]["value_weighting"]) == (1.0, "first")  # the trainer's, not the paper's

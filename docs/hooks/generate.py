@@ -107,20 +107,19 @@ def _code(text: str) -> str:
     return f"`{text}`" if "`" not in text else f"`` {text} ``"
 
 
-def _field_rows(cls, names) -> list[str]:
+def _field_rows(cls, names, prefix: str | None = None) -> list[str]:
+    """A table of the dataclass `cls`'s fields `names`; each row's anchor is `<prefix>-<name>` (prefix: the class's
+    name in lower case)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for name in names:
         f = fields[name]
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
-        rows.append(f"| <span id=\"{_anchor(cls, name)}\"></span>`{name}` | {_cell(_code(format_type(hints[name])))} | "
+        anchor = f"{prefix or cls.__name__.lower()}-{name}"
+        rows.append(f"| <span id=\"{anchor}\"></span>`{name}` | {_cell(_code(format_type(hints[name])))} | "
                     f"{_cell(_code(repr(default)))} | {_cell(f.metadata.get('help', ''))} |")
     return rows
-
-
-def _anchor(cls, name: str) -> str:
-    return f"{cls.__name__.lower()}-{name}"
 
 
 def config_reference(cls) -> str:
@@ -139,31 +138,36 @@ def config_reference(cls) -> str:
 
 
 def plugin_reference() -> str:
-    """Every registered plug-in of each kind (PPOConfig's PLUGINS), its options with their defaults and traits."""
-    from marlhf.trainers.ppo_config import PLUGINS, PPOConfig
+    """Every registered plug-in of each kind (PPOConfig's PLUGINS) with its traits, then each one's options (the
+    one place they are declared: the plug-in's options dataclass), as `--help` lists them."""
+    from marlhf.trainers.ppo_config import FLAT_OPTIONS, PLUGINS, PPOConfig
 
     ppo_fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
     lines = []
     for option, registry in PLUGINS.items():
         lines += [f"### `{option}`: {registry.kind}", "",
-                  f"Chosen with `{option}` (`--{option} NAME` or a dotted path `package.module:object`); options "
-                  f"in `{option}_options` or as the flat flags below. Default: `{ppo_fields[option].default}`.", "",
+                  f"Chosen with `{option}` (`--{option} NAME` or a dotted path `package.module:object`); its options "
+                  f"in `{option}_options`, a built-in's also as flat flags (`--NAME VALUE`). Default: "
+                  f"`{ppo_fields[option].default}`.", "",
                   "| name | options (default) | traits | what it is |", "|---|---|---|---|"]
+        tables = []
         for name in registry.names():
             plugin = registry.get(name)
-            options = []
-            if plugin.options is not None:
-                for f in dataclasses.fields(plugin.options):
-                    text = f"`{f.name}={f.default!r}`"
-                    if f.name in ppo_fields:
-                        text = f"[{text}](configuration.md#{_anchor(PPOConfig, f.name)})"
-                    options.append(text)
+            anchor = f"plugin-{option}-{name}".replace("_", "-")
+            options = [f"[`{f.name}={f.default!r}`](#{anchor}-{f.name})"
+                       for f in dataclasses.fields(plugin.options)] if plugin.options is not None else []
             traits = ", ".join(f"`{key}={value!r}`" for key, value in sorted(plugin.traits.items())
                                if not callable(value))
             summary = (inspect.getdoc(plugin.obj) or "").split("\n\n")[0].replace("\n", " ")
             lines.append(f"| `{name}` | {_cell(', '.join(options) or 'none')} | {_cell(traits or '-')} | "
                          f"{_cell(summary or '-')} |")
-        lines.append("")
+            if plugin.options is not None:
+                flat = " (each also a flat flag)" if all(f.name in FLAT_OPTIONS
+                                                       for f in dataclasses.fields(plugin.options)) else ""
+                tables += [f"**`{option}: {name}`**{flat}", "",
+                           *_field_rows(plugin.options, [f.name for f in dataclasses.fields(plugin.options)], anchor),
+                           ""]
+        lines += ["", *tables]
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ edit:
   `response_mask_from_ids`.
 - Returned log-probs: ask for them after temperature and before top-k / top-p where the engine lets one choose,
   to match this convention. They come from another kernel than the training forward, so PPO should recompute
-  them (`rollout_logprobs="recompute"`, the default) unless the difference is measured to be small.
+  them (`old_logprobs_from="recompute"`, the default) unless the difference is measured to be small.
 - `close()`: release the engine's model and memory (vLLM's `LLM`, a server process).
 """
 

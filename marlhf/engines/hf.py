@@ -20,6 +20,7 @@ from torch import nn
 from transformers import (CompileConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
+from marlhf.config import option
 from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine, response_mask_from_ids
 
 __all__ = ["HFEngine", "HFOptions", "SamplingNoise", "KVCache", "generate_responses", "RowGumbelNoise",
@@ -207,10 +208,14 @@ def generate_responses(
 
 @dataclasses.dataclass(frozen=True)
 class HFOptions:
-    """The hf engine's options: PPOConfig's `sampling_noise` and `kv_cache`."""
+    """The hf engine's options (also PPOConfig's flat flags `--sampling_noise`, `--kv_cache`: marlhf.plugins)."""
 
-    sampling_noise: SamplingNoise = "row_generators"
-    kv_cache: KVCache = "dynamic"
+    sampling_noise: SamplingNoise = option(
+        "row_generators", "per-row Gumbel noise: one torch generator per row (B draws per token), or a hash of (row "
+                          "seed, position, token) for all rows at once (for large GPU batches)")
+    kv_cache: KVCache = option(
+        "dynamic", "KV cache: grown each token (dynamic), allocated once (static), or static with the decode step "
+                   "compiled by torch.compile (static_compiled); the same samples; static needs mixed_precision no")
 
 
 @register_engine("hf", options=HFOptions)

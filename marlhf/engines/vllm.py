@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from marlhf.config import option
 from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine, response_mask_from_ids
 from marlhf.errors import MarlhfError, MissingPackage, did_you_mean
 
@@ -91,12 +92,17 @@ class VLLMOptions:
         there), so `enable_chunked_prefill: true` is refused when the engine is made on CPU.
     """
 
-    kv_cache_gib: int | None = None
-    gpu_memory_utilization: float = 0.3
-    enforce_eager: bool = True
-    sleep_between_rollouts: bool = False
-    max_model_len: int | None = None
-    engine_kwargs: dict[str, Any] | None = None
+    kv_cache_gib: int | None = option(None, "on CPU, the GiB reserved for vLLM's KV cache (none: "
+                                            "VLLM_CPU_KVCACHE_SPACE if set, else 1)")
+    gpu_memory_utilization: float = option(0.3, "on GPU, the share of GPU memory vLLM may take (weights + KV cache)")
+    enforce_eager: bool = option(True, "no CUDA graphs / torch.compile (the engine changes the logit scale "
+                                       "between calls)")
+    sleep_between_rollouts: bool = option(False, "on GPU, free vLLM's memory between rollouts (LLM.sleep / wake_up)")
+    max_model_len: int | None = option(None, "the longest prompt + response (none: max_length, capped by the "
+                                             "model's positions)")
+    engine_kwargs: dict[str, Any] | None = option(None, "further vllm.LLM engine arguments, e.g. '{max_num_seqs: "
+                                                        "64}' (those with an option above, and those the engine "
+                                                        "fixes, are refused)")
 
     def __post_init__(self) -> None:
         name = "rollout engine 'vllm' option"

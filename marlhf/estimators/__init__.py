@@ -11,13 +11,15 @@ The batch carries the facts an estimator may need and nothing else: the rows, th
 loss reads it) and the estimator's own options; never the run's config. Whether a critic is built and trained is
 the estimator's `needs_critic`, and the fewest responses per prompt it works with its `min_samples_per_prompt`.
 This package holds the registry (`base.py`) and the built-ins: `gae` (`gae.py`: macro GAE over segments, the
-critic's values; `ngram=1` is token-level GAE; its options are gamma and the lambda schedule), and the critic-free
+critic's values; `ngram=1` is token-level GAE; its options, `GAEOptions`, are gamma and the lambda schedule), and
+the critic-free
 sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give every token of a response the
 advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
 `prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
 GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
-estimator registered with `reads_entropy=True`), on the same summed reward. A new one, with options of its own, is
-one file:
+estimator registered with `reads_entropy=True`), on the same summed reward. Each declares its options once, in the
+dataclass it registers (the built-ins' are also PPOConfig's flat flags: marlhf.plugins). A new one, with options of
+its own, is one file:
 
     @dataclasses.dataclass
     class MyOptions:

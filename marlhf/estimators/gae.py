@@ -8,19 +8,29 @@ import dataclasses
 import torch
 
 from marlhf.advantages import LamSchedule, SegmentReward, length_adaptive_lam, macro_gae
+from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, register_estimator
 from marlhf.segments import num_segments
 
 
-# PPOConfig's flat options of the same names (marlhf.plugins).
 @dataclasses.dataclass(frozen=True)
 class GAEOptions:
-    gamma: float = 1.0
-    lam: float = 1.0
-    lam_critic: float | None = None
-    lam_schedule: LamSchedule = "constant"
-    lam_alpha: float = 0.05
-    segment_reward: SegmentReward = "sum"
+    """The gae estimator's options (also PPOConfig's flat flags `--gamma`, `--lam`, ...: marlhf.plugins). Why `lam`
+    defaults to 1 and not the paper's 0.95: docs/configuration.md#why-the-defaults."""
+
+    gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
+    lam: float = option(1.0, "GAE lambda over macro actions", ge=0, le=1)
+    lam_critic: float | None = option(
+        None, "GAE lambda of the critic's targets, apart from the actor's advantages (VC-PPO's decoupled GAE uses 1); "
+              "over macro actions like lam: the segment values' regression targets (none: lam)", ge=0, le=1)
+    lam_schedule: LamSchedule = option(
+        "constant", "the actor's GAE lambda: lam for every response (constant), or VAPO's 1 - 1 / (lam_alpha * l) "
+                    "for a response of l macro actions (l tokens at ngram 1; clamped to [0, 1]; the critic's "
+                    "targets keep lam_critic, or lam)")
+    lam_alpha: float = option(0.05, "length_adaptive: alpha (VAPO: 0.05)", gt=0)
+    segment_reward: SegmentReward = option(
+        "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
+               "values), or weighted like its value (released code: value_weighting's weights)")
 
 
 @register_estimator("gae", needs_critic=True, options=GAEOptions)

@@ -16,14 +16,15 @@ import dataclasses
 import torch
 
 from marlhf.advantages import mc_segment_advantages
+from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, ContinueAndScore, register_estimator
 from marlhf.segments import keep_boundaries, num_segments, segment_first_token
 
 
 @dataclasses.dataclass(frozen=True)
 class MCSegmentOptions:
-    mc_samples: int = 4  # K continuations per boundary
-    max_boundaries: int = 4  # kept boundaries per response, evenly spaced, the first always kept
+    mc_samples: int = option(4, "continuations sampled per kept boundary (K)", ge=1)
+    max_boundaries: int = option(4, "kept boundaries per response, evenly spaced, the first always kept", ge=1)
 
     def __post_init__(self) -> None:
         for name, value in (("mc_samples", self.mc_samples), ("max_boundaries", self.max_boundaries)):

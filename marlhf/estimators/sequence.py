@@ -9,12 +9,13 @@ from collections.abc import Callable
 import torch
 
 from marlhf.advantages import grpo, reinforce, rloo
+from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, Estimate, register_estimator
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOOptions:
-    grpo_normalize_std: bool = True
+    grpo_normalize_std: bool = option(True, "divide by the group's standard deviation")
 
 
 def per_response(estimate: Callable[[torch.Tensor, AdvantageBatch], torch.Tensor]) -> Estimate:

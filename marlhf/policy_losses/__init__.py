@@ -11,8 +11,9 @@ options; never the run's config. PPO logs `loss/policy` and, when the stats have
 loss_agg_mode) -> 0-dim tensor`, so that pieces of one mini-batch add up to one mean (default: tokens, or
 responses with a seq-mean `loss_agg_mode`). This package holds the registry (`base.py`) and the built-in `ppo`
 (`ppo.py`), the clipped surrogate of :func:`marlhf.losses.policy_loss` (one joint ratio per macro action; its
-options are PPOConfig's clip_range, ratio_granularity, segment_weighting and tis_cap). A new loss is one file that
-registers itself with `register_policy_loss`.
+options, declared by `ClippedOptions` and also PPOConfig's flat flags: clip_range, ratio_granularity,
+segment_weighting and tis_cap). A new loss is one file that registers itself with `register_policy_loss`; its
+options are a dataclass it registers (their one home, marlhf.plugins).
 """
 
 from marlhf.policy_losses.base import POLICY_LOSSES, REGISTRY, PolicyLossBatch, register_policy_loss

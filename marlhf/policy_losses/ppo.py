@@ -7,17 +7,27 @@ import dataclasses
 
 import torch
 
+from marlhf.config import option
 from marlhf.losses import RatioGranularity, SegmentWeighting, loss_units, policy_loss
 from marlhf.policy_losses.base import PolicyLossBatch, register_policy_loss
 
 
-# PPOConfig's flat options of the same names (marlhf.plugins).
 @dataclasses.dataclass(frozen=True)
 class ClippedOptions:
-    clip_range: float = 0.2
-    ratio_granularity: RatioGranularity = "macro"
-    segment_weighting: SegmentWeighting = "tokens"
-    tis_cap: float | None = None
+    """The ppo policy loss's options (also PPOConfig's flat flags `--clip_range`, ...: marlhf.plugins)."""
+
+    clip_range: float = option(0.2, "PPO clip range of the policy ratio", gt=0)
+    ratio_granularity: RatioGranularity = option(
+        "macro", "clip one joint ratio per macro action (paper) or per-token ratios (released code)")
+    segment_weighting: SegmentWeighting = option(
+        "tokens", "policy loss over macro actions: each weighted by its token count (tokens), a plain mean over "
+                  "macro actions (uniform, the paper's expectation), or token-count weights on the geometric mean "
+                  "of the token ratios (geometric, GSPO's length-normalised ratio)")
+    tis_cap: float | None = option(
+        None, "truncated importance sampling for an engine whose numerics differ from the trainer's: weight the "
+              "ppo loss of each unit (token, or macro action with macro ratios) by min(pi_trainer / pi_rollout, "
+              "tis_cap), the trainer's recomputed old probability over the engine's sampling one (a product over "
+              "a macro action's tokens); none: off", gt=0)
 
 
 def clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: ClippedOptions,

@@ -6,13 +6,15 @@ import dataclasses
 
 import torch
 
+from marlhf.config import option
 from marlhf.segments import fixed_ngram
 from marlhf.termination.base import SegmentationBatch, register_termination
 
 
 @dataclasses.dataclass(frozen=True)
 class FixedOptions:
-    ngram: int | None = 5  # tokens per macro action (None: the whole response is one)
+    ngram: int | None = option(5, "tokens per macro action (1: token-level PPO; none: the whole response is one "
+                                  "action)", ge=1)
 
 
 @register_termination("fixed", options=FixedOptions, reads_reference=False)

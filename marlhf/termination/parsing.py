@@ -7,14 +7,16 @@ import dataclasses
 import torch
 
 from marlhf import segments
+from marlhf.config import option
 from marlhf.parsing import ParsingLanguage
 from marlhf.termination.base import SegmentationBatch, register_termination
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsingOptions:
-    parsing_cutoff: int = 5
-    parsing_language: ParsingLanguage = "auto"
+    parsing_cutoff: int = option(5, "a subtree with at most this many parser leaves is one action", ge=1)
+    parsing_language: ParsingLanguage = option("auto", "parser to use (auto: Python if the response parses as "
+                                                        "code)")
 
 
 @register_termination("parsing", options=ParsingOptions, reads_reference=False)

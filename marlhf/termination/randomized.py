@@ -6,14 +6,15 @@ import dataclasses
 
 import torch
 
+from marlhf.config import option
 from marlhf.segments import randomized_ngram
 from marlhf.termination.base import SegmentationBatch, register_termination
 
 
 @dataclasses.dataclass(frozen=True)
 class RandomizedOptions:
-    randomized_lengths: tuple[int, ...] = (2, 3, 5, 10)
-    repeat_times: int = 3
+    randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "segment lengths to draw from", ge=1)
+    repeat_times: int = option(3, "how often the list of lengths is repeated before shuffling", ge=1)
 
 
 @register_termination("randomized", options=RandomizedOptions, reads_reference=False)

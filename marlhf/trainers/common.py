@@ -31,7 +31,6 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -201,9 +200,9 @@ def _continue_lineage(config: RunConfig, checkpoint: Path, output_dir: Path, acc
     if before is None:
         raise ValueError(f"{checkpoint} holds no config.yaml, so a resume cannot check what changed")
     now = config.to_dict()
-    # An option the checkpoint's version did not have ran at its default.
-    defaults = {field.name: list(field.default) if isinstance(field.default, tuple) else field.default
-                for field in dataclasses.fields(config)}
+    # An option the checkpoint's version did not have ran at its default; one renamed since is read by its new name.
+    defaults = type(config).option_defaults()
+    before = type(config).as_written(before)
     before = {name: before.get(name, defaults.get(name)) for name in now}
     changed = sorted(name for name in now if name not in RESUMABLE_CHANGES and before[name] != now[name])
     if changed and not config.allow_config_change:

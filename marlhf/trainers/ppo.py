@@ -157,7 +157,7 @@ def make_experience(run: PPORun, step: int) -> Experience:
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached_logprobs = attached_values = None
-    keeps_sampling_logprobs = config.rollout_logprobs == "sampling" and not config.reuses_rollout_forward
+    keeps_sampling_logprobs = config.old_logprobs_from == "sampling" and not config.reuses_rollout_forward
     with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
@@ -166,7 +166,7 @@ def make_experience(run: PPORun, step: int) -> Experience:
                                          return_logprobs=wants_sampling_logprobs, **_sampling(run))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
-                             "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
+                             "old_logprobs_from='sampling' and log_rollout_logprob_diff need")
         clock["generation"] = device_clock(device)
         batch = (prompt_ids, prompt_mask, generation.response_ids, generation.response_mask)
         if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too

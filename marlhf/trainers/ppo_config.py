@@ -1,27 +1,80 @@
 """`PPOConfig`: the options of PPO / MA-PPO and of its critic-free baselines (`marlhf ppo --help` lists them by
-section). The algorithm they control is described in docs/algorithm.md and marlhf/trainers/ppo.py."""
+section). The algorithm they control is described in docs/algorithm.md and marlhf/trainers/ppo.py.
+
+One home per option. `PPOConfig` declares the options of the run itself (models, optimisation, budget, sampling,
+KL, logging) and, per plug-in kind, the option that names the plug-in (`termination`, `advantage`, `policy_loss`,
+`rollout_engine`) and its block `<kind>_options`. A plug-in's options are declared once, by the dataclass it
+registers (marlhf.plugins), with their types, defaults, bounds and help. Their values live in the kind's block.
+
+Flat options. Every option of marlhf's built-in plug-ins is also taken flat, `--ngram 5`, `lam: 1` in a file,
+`PPOConfig(lam=1)` in Python, and read flat, `config.lam`: `FLAT_OPTIONS` is generated from the plug-ins'
+dataclasses when this module is imported (a name declared twice is an error), `expand_values` moves a flat value
+into its kind's block, and a property per name reads it back (the block's value, else the dataclass's default).
+`to_dict` (and so config.yaml) writes them flat, as before. A plug-in of the same kind that declares an option of
+a flat name gets its value (`lam` reaches a user's estimator that declares `lam`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from marlhf.advantages import LamSchedule, SegmentReward
 from marlhf.segments import ValueWeighting
-from marlhf.config import TrainingConfig, coerce_option, option
+from marlhf.config import TrainingConfig, add_option_argument, check_bounds, coerce_option, option
 from marlhf import engines, estimators, policy_losses, termination
 from marlhf.imports import import_function
 from marlhf.kl_control import AdaptiveKLController
-from marlhf.losses import LossAggregation, RatioGranularity, SegmentWeighting, check_loss_options
-from marlhf.parsing import ParsingLanguage
-from marlhf.engines.hf import KVCache, SamplingNoise
+from marlhf.losses import LossAggregation, check_loss_options
 from marlhf.plugins import Plugin, Registry
 
-__all__ = ["PPOConfig", "PLUGINS", "import_named_plugins"]
+__all__ = ["PPOConfig", "PLUGINS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
 
 # The options that name a plug-in (marlhf.plugins), each with its block of options `<option>_options`.
 PLUGINS: dict[str, Registry] = {"termination": termination.REGISTRY, "advantage": estimators.REGISTRY,
                                 "policy_loss": policy_losses.REGISTRY, "rollout_engine": engines.REGISTRY}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatOption:
+    """An option of a built-in plug-in that PPOConfig also takes flat: its kind (`termination`), the plug-in that
+    declares it (`fixed`), and its declaration (the dataclass field, with default, help and bounds, and its type)."""
+
+    name: str
+    kind: str
+    plugin: str
+    field: dataclasses.Field
+    annotation: Any
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def flat_options(plugins: Mapping[str, Registry]) -> dict[str, FlatOption]:
+    """{name: FlatOption} for every option of every plug-in of marlhf's own (its options dataclass is defined in
+    marlhf), read off the dataclasses. A name two of them declare is a TypeError: a flat name means one option."""
+    found: dict[str, FlatOption] = {}
+    for kind, registry in plugins.items():
+        for name in registry.names():
+            options = registry.get(name).options
+            if options is None or options.__module__.split(".")[0] != "marlhf":
+                continue
+            hints = typing.get_type_hints(options)
+            for f in dataclasses.fields(options):
+                if f.name in found:
+                    other = found[f.name]
+                    raise TypeError(f"option {f.name!r} is declared by {kind} {name!r} and by {other.kind} "
+                                    f"{other.plugin!r}: a flat option must name one plug-in's option; rename one")
+                found[f.name] = FlatOption(f.name, kind, name, f, hints[f.name])
+    return found
+
+
+FLAT_OPTIONS: dict[str, FlatOption] = flat_options(PLUGINS)
 
 
 def import_named_plugins(argv: list[str]) -> None:
@@ -58,16 +111,17 @@ class PPOConfig(TrainingConfig):
                                        "the policy, an engine registered with register_engine, or a dotted path "
                                        "package.module:factory")
     rollout_engine_options: dict[str, Any] | None = option(
-        None, "the engine's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
-    rollout_logprobs: Literal["recompute", "sampling"] = option(
-        "recompute", "the rollout's policy log-probs: a forward pass over prompt + response (exact), or kept from "
-                     "the sampling pass (one forward fewer per step, as TRL's PPO does; a KV-cached pass can differ "
-                     "from a full forward, more so in bf16). One update per step takes them from the update's "
-                     "forward either way")
+        None, "the engine's options, a YAML mapping such as '{kv_cache: static}' (a built-in engine's are also flags, "
+              "below; marlhf.plugins)")
+    old_logprobs_from: Literal["recompute", "sampling"] = option(
+        "recompute", "where the old log-probs (the PPO ratio's denominator) come from: a forward pass over prompt + "
+                     "response (exact), or the sampling pass (one forward fewer per step, as TRL's PPO does; a "
+                     "KV-cached pass can differ from a full forward, more so in bf16). One update per step takes "
+                     "them from the update's forward either way. Old name: rollout_logprobs")
     log_rollout_logprob_diff: bool = option(
         False, "also take the engine's sampling log-probs and log rollout/logprob_diff_mean and _max, |sampling - "
                "trainer log-prob| over response tokens: how far the rollout engine's numerics are from the "
-               "trainer's (needs the trainer's own: rollout_logprobs='recompute' or one update per step)")
+               "trainer's (needs the trainer's own: old_logprobs_from='recompute' or one update per step)")
     forward_batch_size: int | None = option(
         None, "rows per forward pass when scoring a rollout, rows of similar length together with their common "
               "padding cut (none: the update's piece size, mini_batch_size / gradient_accumulation_steps)", ge=1)
@@ -84,13 +138,6 @@ class PPOConfig(TrainingConfig):
                                      "log-probs)", ge=0.01)
     top_k: int = option(50, "sample from the k most likely tokens (0: no top-k)", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", gt=0, le=1)
-    sampling_noise: SamplingNoise = option(
-        "row_generators", "the hf engine's per-row Gumbel noise: one torch generator per row (B draws per token), "
-                          "or a hash of (row seed, position, token) for all rows at once (for large GPU batches)")
-    kv_cache: KVCache = option(
-        "dynamic", "the hf engine's KV cache: grown each token (dynamic), allocated once (static), or static with "
-                   "the decode step compiled by torch.compile (static_compiled); the same samples; static needs "
-                   "mixed_precision no")
 
     # Macro actions.
     termination: str = option(
@@ -98,16 +145,9 @@ class PPOConfig(TrainingConfig):
                  "word, read off the tokenizer's vocabulary), low_prob (SPO: one starts at each token sampled with "
                  "probability below a threshold), another rule registered with "
                  "marlhf.termination.register_termination, or a dotted path package.module:function")
-    ngram: int | None = option(
-        5, "fixed: tokens per macro action (1: token-level PPO; none: the whole response is one action)", ge=1)
-    randomized_lengths: tuple[int, ...] = option((2, 3, 5, 10), "randomized: segment lengths to draw from", ge=1)
-    repeat_times: int = option(3, "randomized: how often the list of lengths is repeated before shuffling", ge=1)
-    parsing_cutoff: int = option(5, "parsing: a subtree with at most this many parser leaves is one action", ge=1)
-    parsing_language: ParsingLanguage = option(
-        "auto", "parsing: parser to use (auto: Python if the response parses as code)")
     termination_options: dict[str, Any] | None = option(
-        None, "the rule's own options that are not PPO options, e.g. '{sentences: 2}' (a YAML mapping; "
-              "marlhf.plugins)")
+        None, "the rule's options, a YAML mapping such as '{ngram: 3}' or a user's rule's '{sentences: 2}' (a "
+              "built-in rule's are also flags, below; marlhf.plugins)")
     last_token_own_segment: bool = option(
         False, "the last response token forms its own macro action (the released code's layout)")
 
@@ -127,25 +167,14 @@ class PPOConfig(TrainingConfig):
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
-        None, "the estimator's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
+        None, "the estimator's options, a YAML mapping such as '{lam: 0.95}' (a built-in estimator's are also "
+              "flags, below; marlhf.plugins)")
     num_samples_per_prompt: int = option(1, "responses sampled per prompt (rloo and grpo need >= 2)", ge=1)
-    grpo_normalize_std: bool = option(True, "grpo: divide by the group's standard deviation")
     kl_coef: float = option(0.05, "KL penalty coefficient (k1 estimator, on every token); 0 with a termination "
                                    "rule that does not read the reference drops the reference model (no "
                                    "forward, no copy; objective/kl is then not logged)", ge=0)
     rm_score_clip: float | None = option(
         None, "clip reward scores to [-c, c] before use (the released code uses 2.5; none: no clipping)", gt=0)
-    gamma: float = option(1.0, "discount over macro actions", ge=0, le=1)
-    lam: float = option(1.0, "GAE lambda over macro actions (1 since Study II, whose tuning chose it for token-level "
-                                 "PPO and MA-PPO alike; the paper's: 0.95)", ge=0, le=1)
-    lam_critic: float | None = option(
-        None, "GAE lambda of the critic's targets, apart from the actor's advantages (VC-PPO's decoupled GAE uses 1); "
-              "over macro actions like lam: the segment values' regression targets (none: lam)", ge=0, le=1)
-    lam_schedule: LamSchedule = option(
-        "constant", "the actor's GAE lambda: lam for every response (constant), or VAPO's 1 - 1 / (lam_alpha * l) "
-                    "for a response of l macro actions (l tokens at ngram 1; clamped to [0, 1]; the critic's "
-                    "targets keep lam_critic, or lam)")
-    lam_alpha: float = option(0.05, "length_adaptive: alpha (VAPO: 0.05)", gt=0)
     critic_warmup_steps: int = option(
         0, "the first N PPO steps train only the critic on their rollouts, the policy frozen (VC-PPO's value "
            "pretraining; OpenRLHF's freezing_steps, verl's critic_warmup); counted in the step budget", ge=0)
@@ -170,9 +199,6 @@ class PPOConfig(TrainingConfig):
                  "the macro action starts (first; not in the paper, the default since Study I, the credit-"
                  "assignment study), or the paper's: equal weights (equal), the last token only (unit), weights "
                  "growing towards the last token (position)")
-    segment_reward: SegmentReward = option(
-        "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
-               "values), or weighted like its value (released code: value_weighting's weights)")
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
     advantage_mask_threshold: float | None = option(
         None, "SPO's probability mask, for any estimator: keep a token's advantage only where the sampling policy "
@@ -184,19 +210,8 @@ class PPOConfig(TrainingConfig):
         "ppo", "the policy loss (marlhf.policy_losses): ppo, the clipped surrogate with one ratio per macro action, "
                "a loss registered with register_policy_loss, or a dotted path package.module:function")
     policy_loss_options: dict[str, Any] | None = option(
-        None, "the policy loss's own options that are not PPO options (a YAML mapping; marlhf.plugins)")
-    clip_range: float = option(0.2, "PPO clip range of the policy ratio", gt=0)
-    ratio_granularity: RatioGranularity = option(
-        "macro", "clip one joint ratio per macro action (paper) or per-token ratios (released code)")
-    segment_weighting: SegmentWeighting = option(
-        "tokens", "policy loss over macro actions: each weighted by its token count (tokens), a plain mean over "
-                  "macro actions (uniform, the paper's expectation), or token-count weights on the geometric mean "
-                  "of the token ratios (geometric, GSPO's length-normalised ratio)")
-    tis_cap: float | None = option(
-        None, "truncated importance sampling for an engine whose numerics differ from the trainer's: weight the "
-              "ppo loss of each unit (token, or macro action with macro ratios) by min(pi_trainer / pi_rollout, "
-              "tis_cap), the trainer's recomputed old probability over the engine's sampling one (a product over "
-              "a macro action's tokens); none: off", gt=0)
+        None, "the policy loss's options, a YAML mapping such as '{clip_range: 0.1}' (a built-in loss's are also "
+              "flags, below; marlhf.plugins)")
     value_clip_range: float | None = option(
         0.2, "clip range of the critic around its rollout values, as in the released code (none: off)", gt=0)
     value_loss_granularity: Literal["segment", "token"] = option(
@@ -215,27 +230,24 @@ class PPOConfig(TrainingConfig):
         False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
                "(no second copy); the final policy is saved merged")
 
+    # Each plug-in's own options follow the section that names its kind, one section per plug-in (add_arguments).
     HELP_SECTIONS = {
-        "sampling": ("rollout_engine", "rollout_engine_options", "rollout_logprobs", "log_rollout_logprob_diff",
-                     "logprob_temperature", "forward_batch_size",
-                     "max_prompt_length", "long_prompts", "max_response_length", "max_length", "temperature", "top_k",
-                     "top_p", "sampling_noise", "kv_cache"),
-        "macro actions": ("termination", "termination_options", "ngram", "randomized_lengths", "repeat_times", "parsing_cutoff",
-                          "parsing_language", "last_token_own_segment"),
+        "sampling": ("rollout_engine", "rollout_engine_options", "old_logprobs_from", "log_rollout_logprob_diff",
+                     "logprob_temperature", "forward_batch_size", "max_prompt_length", "long_prompts",
+                     "max_response_length", "max_length", "temperature", "top_k", "top_p"),
+        "macro actions": ("termination", "termination_options", "last_token_own_segment"),
         "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "advantage_options",
-                                   "num_samples_per_prompt",
-                                   "grpo_normalize_std", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
-                                   "gamma", "lam", "lam_critic", "lam_schedule", "lam_alpha", "critic_warmup_steps",
-                                   "value_weighting", "segment_reward", "whiten_advantages",
+                                   "num_samples_per_prompt", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
+                                   "critic_warmup_steps", "value_weighting", "whiten_advantages",
                                    "advantage_mask_threshold"),
-        "losses": ("policy_loss", "policy_loss_options", "clip_range", "ratio_granularity", "segment_weighting",
-                   "tis_cap", "loss_agg_mode", "value_clip_range",
-                   "value_loss_granularity"),
+        "losses": ("policy_loss", "policy_loss_options", "loss_agg_mode", "value_clip_range", "value_loss_granularity"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
+    RENAMED = {"rollout_logprobs": "old_logprobs_from"}
 
     def validate(self) -> None:
         super().validate()
+        self._check_blocks()
         if self.max_prompt_length + self.max_response_length > self.max_length:
             raise ValueError(f"max_prompt_length + max_response_length ({self.max_prompt_length} + "
                              f"{self.max_response_length}) must be <= max_length ({self.max_length})")
@@ -260,22 +272,22 @@ class PPOConfig(TrainingConfig):
                              f"({len(self.reward_fns)})")
         for path in self.reward_fns:
             import_function(path, "reward_fns")  # a path that does not import stops here
-        if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
-            raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
+        if self.logprob_temperature == "raw" and self.old_logprobs_from == "sampling":
+            raise ValueError("logprob_temperature='raw' needs old_logprobs_from='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
         if self.compares_rollout_logprobs:
             what = "log_rollout_logprob_diff" if self.log_rollout_logprob_diff else "tis_cap"
-            if self.rollout_logprobs == "sampling" and not self.reuses_rollout_forward:
+            if self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward:
                 raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
-                                 "rollout_logprobs='sampling' does not compute: use rollout_logprobs='recompute'")
+                                 "old_logprobs_from='sampling' does not compute: use old_logprobs_from='recompute'")
             if self.logprob_temperature == "raw":
                 raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
                                  "logits / temperature)")
-        if self.plugin("advantage").reads_entropy and self.rollout_logprobs == "sampling" and not \
+        if self.plugin("advantage").reads_entropy and self.old_logprobs_from == "sampling" and not \
                 self.reuses_rollout_forward:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
-                             "trainer's forward gives and rollout_logprobs='sampling' skips: use "
-                             "rollout_logprobs='recompute'")
+                             "trainer's forward gives and old_logprobs_from='sampling' skips: use "
+                             "old_logprobs_from='recompute'")
         if self.tis_cap is not None and "tis_cap" not in self.plugin("policy_loss").option_names:
             raise ValueError(f"tis_cap is an option of the ppo policy loss; policy_loss={self.policy_loss!r} does "
                              "not take it")
@@ -339,69 +351,204 @@ class PPOConfig(TrainingConfig):
         return PLUGINS[option].get(getattr(self, option))
 
     def plugin_options(self, option: str) -> Any:
-        """The named plug-in's options: PPO's own options of the same names, and the rest from its block."""
+        """The named plug-in's options: those of its block `<option>_options`, the flat options' values for the
+        names it declares, and its dataclass's defaults for the rest."""
         plugin = self.plugin(option)
-        own = {name: getattr(self, name) for name in plugin.option_names if name in self._field_set()}
-        return plugin.make_options({**own, **(getattr(self, f"{option}_options") or {})})
+        block = getattr(self, f"{option}_options") or {}
+        flat = {name: self.flat_value(name) for name in plugin.option_names
+                if name in FLAT_OPTIONS and FLAT_OPTIONS[name].kind == option}
+        return plugin.make_options({**{k: v for k, v in block.items() if k not in FLAT_OPTIONS}, **flat})
+
+    def flat_value(self, name: str) -> Any:
+        """The value of the flat option `name` (FLAT_OPTIONS): its kind's block's, else its declared default."""
+        flat = FLAT_OPTIONS[name]
+        return (getattr(self, f"{flat.kind}_options") or {}).get(name, flat.default)
 
     @classmethod
     def _field_set(cls) -> frozenset[str]:
         return frozenset(f.name for f in dataclasses.fields(cls))
 
+    def _check_blocks(self) -> None:
+        """Each block's built-in options checked (type and bounds, the error naming the plug-in and the option; one
+        given flat was checked under its flat name by expand_values), those at their default dropped (so equal
+        configs compare equal), a block left empty None."""
+        for kind in PLUGINS:
+            block = dict(getattr(self, f"{kind}_options") or {})
+            for key in [key for key in block if key in FLAT_OPTIONS]:
+                flat = FLAT_OPTIONS[key]
+                if flat.kind != kind:
+                    raise ValueError(f"{kind}_options: {key!r} is an option of {PLUGINS[flat.kind].kind} "
+                                     f"{flat.plugin!r}: set it as {key} or in {flat.kind}_options")
+                block[key] = _checked(flat, block[key], f"{PLUGINS[kind].kind} {flat.plugin!r} option {key!r}")
+                if block[key] == flat.default:
+                    del block[key]
+            object.__setattr__(self, f"{kind}_options", block or None)
+
     def _check_plugins(self) -> None:
-        """Each plug-in resolves and takes its options, and a block holds no PPO option. The hf engine's options
-        set away from their defaults need the hf engine (another engine samples its own way); the other kinds'
-        options may stay set for a plug-in not chosen (configs keep parsing_language for `--termination
-        parsing`)."""
+        """Each plug-in resolves and takes its options. A flat option of another engine than the chosen one, set
+        away from its default, is an error (the engine samples its own way); the other kinds' flat options may
+        stay set for a plug-in not chosen (configs keep parsing_language for `--termination parsing`)."""
         for kind in PLUGINS:
             self.plugin(kind)  # an unknown name or a path that does not import stops here
-            block = getattr(self, f"{kind}_options") or {}
-            flat = sorted(set(block) & self._field_set())
-            if flat:
-                raise ValueError(f"{kind}_options: {flat[0]!r} is a PPO option: set it as {flat[0]} (or in a "
-                                 f"'{kind}: {{name: ..., {flat[0]}: ...}}' block of a YAML config)")
             self.plugin_options(kind)  # unknown keys and wrong types stop here
-        engine, hf = self.plugin("rollout_engine"), PLUGINS["rollout_engine"].get("hf")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in set(hf.option_names) - set(engine.option_names):
-            if getattr(self, name) != defaults[name]:
-                raise ValueError(f"{name}={getattr(self, name)!r} is the hf engine's option; rollout_engine="
-                                 f"{self.rollout_engine!r} samples its own way")
+        engine = self.plugin("rollout_engine")
+        for name, value in (self.rollout_engine_options or {}).items():
+            if name in FLAT_OPTIONS and name not in engine.option_names:
+                raise ValueError(f"{name}={value!r} is the {FLAT_OPTIONS[name].plugin} engine's option; "
+                                 f"rollout_engine={self.rollout_engine!r} samples its own way")
 
     @classmethod
-    def expand_values(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """A plug-in given as a block, `termination: {name: fixed, ngram: 3}` (a YAML mapping, or its text from
-        the command line), becomes the option naming it, PPO's own options in the block, and its
-        `<option>_options` with the rest."""
-        fields = cls._field_set()
+    def input_names(cls) -> list[str]:
+        return super().input_names() + list(FLAT_OPTIONS)
+
+    @classmethod
+    def declarations(cls) -> dict[str, tuple[Any, dataclasses.Field]]:
+        flat = {name: (option.annotation, option.field) for name, option in FLAT_OPTIONS.items()}
+        return {**super().declarations(), **flat}
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        return {**super().option_defaults(), **{name: list(flat.default) if isinstance(flat.default, tuple)
+                                                else flat.default for name, flat in FLAT_OPTIONS.items()}}
+
+    @classmethod
+    def as_written(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Also a flat option that an earlier version kept in its block (`termination_options: {threshold: 0.8}`)
+        written flat."""
+        values = super().as_written(values)
         for kind in PLUGINS:
-            block = values.get(kind)
-            if isinstance(block, str) and block.lstrip().startswith("{"):
-                block = coerce_option(kind, block, dict[str, Any])
-            if not isinstance(block, dict):
+            block = values.get(f"{kind}_options")
+            if isinstance(block, dict) and set(block) & set(FLAT_OPTIONS):
+                values.update({k: v for k, v in block.items() if k in FLAT_OPTIONS})
+                values[f"{kind}_options"] = {k: v for k, v in block.items() if k not in FLAT_OPTIONS} or None
+        return values
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a config file holds them: the flat options (all of them, at their values) after their
+        kind's block, which keeps only the options of plug-ins outside marlhf (None when there are none)."""
+        values = {}
+        for name, value in super().to_dict().items():
+            kind = name.removesuffix("_options")
+            if kind == name or kind not in PLUGINS:
+                values[name] = value
                 continue
-            block = dict(block)
-            if "name" not in block:
+            values[name] = {k: v for k, v in (value or {}).items() if k not in FLAT_OPTIONS} or None
+            for flat in FLAT_OPTIONS.values():
+                if flat.kind == kind:
+                    value = self.flat_value(flat.name)
+                    values[flat.name] = list(value) if isinstance(value, tuple) else value
+        return values
+
+    @classmethod
+    def expand_values(cls, values: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """Options as given (a file, the command line, keyword arguments) as fields: a plug-in given as a block,
+        `termination: {name: fixed, ngram: 3}` (a YAML mapping, or its text from the command line), becomes the
+        option naming it and its options; a flat option (`ngram: 3`) goes to its kind's block `<kind>_options`.
+        An option given twice with different values is an error when `strict`; else the flat one wins (what
+        `dataclasses.replace(config, ngram=3)` needs)."""
+        values = super().expand_values(values, strict)
+        blocks = {}
+        for kind in PLUGINS:
+            block = values.get(f"{kind}_options")
+            if isinstance(block, str):  # YAML text from the command line
+                block = coerce_option(f"{kind}_options", block, dict[str, Any] | None)
+            if block is not None and not isinstance(block, dict):
+                continue  # the field's check names it
+            blocks[kind] = dict(block or {})
+        for kind in PLUGINS:
+            named = values.get(kind)
+            if isinstance(named, str) and named.lstrip().startswith("{"):
+                named = coerce_option(kind, named, dict[str, Any])
+            if not isinstance(named, dict):
+                continue
+            named = dict(named)
+            if "name" not in named:
                 raise ValueError(f"{kind}: a block needs the plug-in's name, e.g. '{kind}: {{name: ..., ...}}'")
-            values[kind] = block.pop("name")
-            extra = dict(values.get(f"{kind}_options") or {})
-            for key, value in block.items():
-                if key not in fields:
-                    extra[key] = value
-                elif key in values and values[key] != value:
-                    raise ValueError(f"{key} is given twice: {values[key]!r} and {value!r} in the {kind} block")
-                else:
-                    values[key] = value
-            if extra:
-                values[f"{kind}_options"] = extra
+            values[kind] = named.pop("name")
+            for key, value in named.items():
+                _put(blocks, values, key, value, kind, True, f"the {kind} block")
+        for key in [key for key in values if key in FLAT_OPTIONS]:
+            _put(blocks, values, key, _checked(FLAT_OPTIONS[key], values.pop(key), key), None, strict, None)
+        for kind, block in blocks.items():
+            if block or values.get(f"{kind}_options") is not None:
+                values[f"{kind}_options"] = block or None
         return values
 
     @classmethod
     def add_arguments(cls, parser) -> None:
-        """The options, then the registered plug-ins of each kind with the options each takes (a plug-in named by
-        dotted path on the command line is imported first, so it is listed too: import_named_plugins)."""
+        """The options by section; after the section that names a plug-in kind, one section per built-in plug-in
+        with its own options (each option listed once, under its plug-in), and the plug-ins of other packages
+        registered so far with their options (a plug-in named by dotted path on the command line is imported
+        first, so it is listed too: import_named_plugins)."""
         super().add_arguments(parser)
+        groups = parser._action_groups
         for kind, registry in PLUGINS.items():
-            parser.add_argument_group(f"{kind} plug-ins (name (option=default, ...))",
-                                      "; ".join(registry.get(name).describe() for name in registry.names()))
+            after = next(g for g in groups if any(a.dest == kind for a in g._group_actions))
+            sections = []
+            for name in registry.names():
+                plugin = registry.get(name)
+                own = [flat for flat in FLAT_OPTIONS.values() if flat.kind == kind and flat.plugin == name]
+                if own:
+                    summary = (inspect.getdoc(plugin.obj) or "").split("\n\n")[0].replace("\n", " ")
+                    group = parser.add_argument_group(
+                        f"{registry.kind} {name} (--{kind} {name}; its options also in {kind}_options)",
+                        summary or None)
+                    for flat in own:
+                        add_option_argument(group, [f"--{flat.name}"], flat.name, flat.annotation, flat.field)
+                    sections.append(group)
+            others = [registry.get(name).describe() for name in registry.names()
+                      if not any(flat.kind == kind and flat.plugin == name for flat in FLAT_OPTIONS.values())]
+            if others:
+                sections.append(parser.add_argument_group(
+                    f"the other {registry.kind}s: name (option=default, ...), options in {kind}_options",
+                    "; ".join(others)))
+            for group in sections:  # listed right after the section that names the kind
+                groups.remove(group)
+            index = groups.index(after) + 1
+            groups[index:index] = sections
 
+
+def _checked(flat: FlatOption, value: Any, label: str) -> Any:
+    """`value` of the flat option checked against its declaration (type, bounds), in canonical form; an error
+    names `label`."""
+    value = coerce_option(label, value, flat.annotation)
+    check_bounds(label, value, flat.field.metadata.get("bounds", {}))
+    return value
+
+
+def _put(blocks: dict[str, dict], values: dict[str, Any], key: str, value: Any, kind: str | None, strict: bool,
+         where: str | None) -> None:
+    """Put `key: value` of a plug-in block or a flat option into its block (a flat option goes to its own kind's;
+    an option of no built-in plug-in to `kind`'s). A value the block already holds differently is an error when
+    `strict`."""
+    home = FLAT_OPTIONS[key].kind if key in FLAT_OPTIONS else kind
+    block = blocks.setdefault(home, {})
+    if strict and key in block and block[key] != value:
+        first, second = (block[key], value)
+        raise ValueError(f"{key} is given twice: {first!r} and {second!r}" + (f" in {where}" if where else ""))
+    block[key] = value
+
+
+def _flat_property(name: str) -> property:
+    return property(lambda self: self.flat_value(name),
+                    doc=f"{FLAT_OPTIONS[name].field.metadata.get('help', '')} (option of {FLAT_OPTIONS[name].kind} "
+                        f"{FLAT_OPTIONS[name].plugin!r}; its value lives in {FLAT_OPTIONS[name].kind}_options)")
+
+
+def _accepting_flat_options(init):
+    """PPOConfig's dataclass __init__, taking the flat options and old names too (expand_values, not strict)."""
+    @functools.wraps(init)
+    def __init__(self, **values: Any) -> None:
+        init(self, **type(self).expand_values(values, strict=False))
+
+    return __init__
+
+
+_clash = sorted(set(FLAT_OPTIONS) & PPOConfig._field_set())
+if _clash:
+    raise TypeError(f"PPOConfig declares {_clash[0]!r}, a built-in plug-in's option: one home per option")
+for _name in FLAT_OPTIONS:
+    setattr(PPOConfig, _name, _flat_property(_name))
+PPOConfig.__init__ = _accepting_flat_options(PPOConfig.__init__)
+PPOConfig.rollout_logprobs = property(lambda self: self.old_logprobs_from,
+                                      doc="old name of old_logprobs_from (kept as an alias)")

@@ -97,14 +97,15 @@ def invalid_values(annotation: Any, bounds: dict[str, float | None] | None = Non
 
 def field_invalid_values(config_class: type, name: str, choices: tuple[str, ...] | None = None
                          ) -> st.SearchStrategy[Bad]:
-    field = {f.name: f for f in dataclasses.fields(config_class)}[name]
-    return invalid_values(typing.get_type_hints(config_class)[name], field.metadata.get("bounds"), choices)
+    """For an option of the config (a field, or a flat option declared by a plug-in's dataclass: declarations)."""
+    annotation, field = config_class.declarations()[name]
+    return invalid_values(annotation, field.metadata.get("bounds"), choices)
 
 
 def field_bound_violations(config_class: type, name: str) -> list[Bad]:
-    """A value just past each bound of the field `name` (none for a field without bounds)."""
-    field = {f.name: f for f in dataclasses.fields(config_class)}[name]
-    inner, _ = _split_optional(typing.get_type_hints(config_class)[name])
+    """A value just past each bound of the option `name` (none for one without bounds)."""
+    annotation, field = config_class.declarations()[name]
+    inner, _ = _split_optional(annotation)
     is_tuple = typing.get_origin(inner) is tuple
     item = typing.get_args(inner)[0] if is_tuple else inner
     violations = bound_violations(field.metadata.get("bounds"), item is int)[::2]

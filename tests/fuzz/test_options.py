@@ -22,7 +22,8 @@ CONFIGS = config_classes()
 # A str option that names a plug-in, a dataset task or a function accepts only those (or a dotted path that imports).
 NAMED = {**{kind: tuple(registry.names()) for kind, registry in PLUGINS.items()}, "reward_fns": ()}
 TASK_NAMES = tuple(TASKS)  # dataset_task, an option of every command that reads a dataset
-OPTIONS = [(command, name) for command, config in CONFIGS.items() for name in config.field_names()]
+# Every option a config declares: its fields and, for ppo, the built-in plug-ins' options it takes flat.
+OPTIONS = [(command, name) for command, config in CONFIGS.items() for name in config.declarations()]
 PLUGIN_OPTIONS = [(kind, name, option.name) for kind, registry in PLUGINS.items() for name in registry.names()
                   if (plugin := registry.get(name)).options is not None
                   for option in dataclasses.fields(plugin.options)]
@@ -60,14 +61,12 @@ def test_every_option_refuses_invalid_values(command, name, no_runs):
 
 @pytest.mark.parametrize(("kind", "plugin", "name"), PLUGIN_OPTIONS, ids=["-".join(o) for o in PLUGIN_OPTIONS])
 def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs):
-    """In the plug-in's block (`kind: {name: plugin, option: value}`) and in its `<kind>_options`; an option the
-    plug-in shares with PPOConfig has PPOConfig's bounds, any other the bounds of its own field (declared with
-    marlhf.config.option)."""
+    """In the plug-in's block (`kind: {name: plugin, option: value}`) and in its `<kind>_options`, with the bounds
+    of its own field (declared with marlhf.config.option; the flat flag of the same name is fuzzed with the config's
+    options)."""
     options = PLUGINS[kind].get(plugin).options
-    ppo_fields = {f.name: f for f in dataclasses.fields(CONFIGS["ppo"])}
     own_field = next(f for f in dataclasses.fields(options) if f.name == name)
-    bounds = (ppo_fields[name] if name in ppo_fields else own_field).metadata.get("bounds")
-    values = invalid_values(typing.get_type_hints(options)[name], bounds)
+    values = invalid_values(typing.get_type_hints(options)[name], own_field.metadata.get("bounds"))
 
     @fuzz_settings(2)
     @seed(SEED)
@@ -75,7 +74,7 @@ def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs)
     def refused(bad: Bad, as_block: bool) -> None:
         # An engine that is not installed may be named instead of its option.
         culprits = {name, plugin} if kind == "rollout_engine" else {name}
-        if as_block or name in ppo_fields:
+        if as_block:
             values = {kind: {"name": plugin, name: bad.value}}
         else:
             values = {kind: plugin, f"{kind}_options": {name: bad.value}}

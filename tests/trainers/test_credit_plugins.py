@@ -120,7 +120,7 @@ def test_entropy_is_the_distributions_and_kept_only_when_read(make_tiny_causal_l
     torch.testing.assert_close(kept.entropy[1], -(probs * probs.log()).sum(-1))
     assert kept.entropy[0, 2] == 0  # padding
     assert token_entropy(torch.tensor([[[0.0, 0.0, -math.inf]]])).item() == pytest.approx(math.log(2))  # no NaN
-    with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
+    with pytest.raises(ValueError, match="old_logprobs_from='recompute'"):
         ppo_config_of(advantage="entropy_weighted", num_samples_per_prompt=2, rollout_logprobs="sampling",
                       mini_batch_size=4, per_device_batch_size=4)
 
@@ -190,10 +190,10 @@ def test_options_are_checked_in_one_line_and_listed_in_help():
             ppo_config_of(**options)
     usage = build_parser("ppo")._subparsers._group_actions[0].choices["ppo"].format_help()
     usage = " ".join(usage.split())
-    for listed in ("low_prob (threshold=0.9, interval=1, min_tokens=None, max_tokens=None)",
-                   "prefix_tree (normalize_std=True)",
-                   "entropy_weighted (level='token', alpha1=1.0, alpha2=0.1, success_threshold=0.5)",
-                   "--advantage_mask_threshold", "entropy at each token"):
+    for listed in ("termination rule low_prob (--termination low_prob", "--threshold THRESHOLD", "(default: 0.9)",
+                   "advantage estimator prefix_tree (--advantage prefix_tree", "--normalize_std [true|false]",
+                   "advantage estimator entropy_weighted (--advantage entropy_weighted", "--level {token,sequence}",
+                   "--alpha1 ALPHA1", "--success_threshold", "--advantage_mask_threshold", "entropy at each token"):
         assert listed in usage, listed
 
 

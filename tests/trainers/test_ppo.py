@@ -262,7 +262,7 @@ def test_raw_logits_convention_scores_at_temperature_one(tmp_path, make_tiny_cau
     assert config.scoring_temperature == 1.0 and _config(tmp_path, temperature=0.7).scoring_temperature == 0.7
     train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
     assert seen and set(seen) == {1.0}
-    with pytest.raises(ValueError, match="rollout_logprobs"):
+    with pytest.raises(ValueError, match="old_logprobs_from"):
         _config(tmp_path, logprob_temperature="raw", rollout_logprobs="sampling")
 
 
@@ -445,7 +445,7 @@ def test_truncated_importance_sampling_runs(tmp_path, make_tiny_causal_lm, tiny_
 
 
 def test_rollout_logprob_options_errors():
-    with pytest.raises(ValueError, match="rollout_logprobs='recompute'"):
+    with pytest.raises(ValueError, match="old_logprobs_from='recompute'"):
         PPOConfig(log_rollout_logprob_diff=True, rollout_logprobs="sampling", mini_batch_size=4)
     with pytest.raises(ValueError, match="logprob_temperature='sampling'"):
         PPOConfig(tis_cap=2.0, logprob_temperature="raw")
