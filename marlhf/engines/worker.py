@@ -205,8 +205,11 @@ def _serve(spec: WorkerSpec, parent_pid: int, requests, results) -> None:
                 with torch.no_grad():
                     generation = engine.generate(query_ids, query_mask, row_seeds=row_seeds, **sampling)
                 logprobs = generation.logprobs.cpu() if generation.logprobs is not None else None
+                seconds = time.perf_counter() - start
                 results.put(("done", request_id, generation.response_ids.cpu(), generation.response_mask.cpu(),
-                             logprobs, time.perf_counter() - start))
+                             logprobs, seconds))
+                print(f"request {request_id}: {len(row_seeds)} rows, {int(generation.response_mask.sum())} tokens, "
+                      f"{seconds:.3f} s", flush=True)
     except BaseException as error:  # the trainer reads the line; the traceback stays in the log
         traceback.print_exc()
         results.put(("error", one_line(error)))

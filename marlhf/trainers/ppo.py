@@ -76,6 +76,7 @@ from marlhf.continuations import PrefixContinuations
 from marlhf.rollout import (RewardFn, response_logprobs, response_logprobs_and_entropy, response_scores,
                             response_values, score_responses)
 from marlhf.segments import num_segments, split_last_token
+from marlhf.staleness import RolloutRequest, StaleRollouts
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.ppo_config import PLUGINS
 from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
@@ -110,6 +111,7 @@ class PPORun:
     eos_token_id: Any
     kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
     plugins: dict[str, tuple[Plugin, Any]] = dataclasses.field(default_factory=dict)  # option -> (plug-in, options)
+    rollouts: StaleRollouts | None = None  # rollout worker processes (config.rollout_workers); None: the engine here
 
     @property
     def kl_coef(self) -> float:
@@ -130,13 +132,8 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     in `clock`."""
     config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
     device = accelerator.device
-    rows = [i for i in run.plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
-    query_ids, query_mask = pad_sequences([run.prompt_ids[i] for i in rows], tokenizer.pad_token_id, "left")
-    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
-    # One random stream per response, keyed by its row among all processes' rows: the samples do not
-    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
-    first_row = accelerator.process_index * config.rollout_size
-    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    rows, request = _rollout_request(run, step)
+    query_ids, query_mask, row_seeds = request.query_ids, request.query_mask, request.row_seeds
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached = None
@@ -144,9 +141,12 @@ def make_experience(run: PPORun, step: int, clock: dict[str, float]) -> Experien
     with_entropy = run.plugins["advantage"][0].reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        generation = run.engine.generate(query_ids, query_mask, row_seeds=row_seeds,
-                                         max_new_tokens=config.max_response_length,
-                                         return_logprobs=wants_sampling_logprobs, **_sampling(run))
+        if run.rollouts is None:  # the engine here, now, with this step's policy
+            generation = run.engine.generate(query_ids, query_mask, row_seeds=row_seeds,
+                                             max_new_tokens=config.max_response_length,
+                                             return_logprobs=wants_sampling_logprobs, **_sampling(run))
+        else:  # from the rollout workers, sampled by policy version max(start, step - max_staleness)
+            generation = run.rollouts.generation(step, accelerator.unwrap_model(run.policy))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "rollout_logprobs='sampling' and log_rollout_logprob_diff need")
@@ -286,12 +286,15 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
         with accumulation_context(accelerator, policy, is_last):
             logprobs = piece.attached_logprobs if piece.attached_logprobs is not None else response_logprobs(
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
+            # with a stale rollout the engine's log-probs are the behaviour policy's, piece.logprobs the proximal's
+            behaviour = piece.rollout_logprobs if config.max_staleness else None
             loss, loss_stats = policy_loss.obj(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                                piece.segment_ids, config.loss_agg_mode, num_slots,
-                                                               options, piece.rollout_logprobs))
+                                                               options, piece.rollout_logprobs, behaviour))
             backward(accelerator, policy, loss * weight, is_last)
         stats = {"loss/policy": loss.detach(),
-                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean")
+                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean",
+                                                                    "behaviour_weight_mean", "behaviour_dropped")
                     if name in loss_stats}}
     if critic is not None:
         weight = loss_units(mask, None, "tokens", config.loss_agg_mode) * processes / totals["value"]
@@ -338,13 +341,15 @@ def step_metrics(run: PPORun, experience: Experience, update_stats: dict[str, li
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
-    if run.config.log_rollout_logprob_diff and e.rollout_logprobs is not None:
+    if (run.config.log_rollout_logprob_diff or run.config.max_staleness) and e.rollout_logprobs is not None:
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
         metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
     if e.continuation_tokens is not None:  # totals over all processes (the reduction below is a mean)
         metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
         metrics["rollout/mc_tokens"] = e.continuation_tokens * run.accelerator.num_processes
+    if run.rollouts is not None:  # the worker's throughput, the trainer's wait, how stale the batch was
+        metrics.update(run.rollouts.metrics)
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     metrics = reduce_metrics(metrics, run.accelerator)
@@ -408,8 +413,10 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
     """The steps of the plan from `start_step` on, each the six stages; metrics to `logger`, checkpoints of the
     `checkpointed` (models, optimizers, schedulers) by name."""
     config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
+    # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
+    run.rollouts = _start_rollout_workers(run, start_step) if config.rollout_workers else None
     # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-    with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
+    with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc="ppo",
               disable=not accelerator.is_local_main_process) as progress:
         for step in progress:
             clock = {"start": device_clock(accelerator.device)}
@@ -434,6 +441,31 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]:
+    """Step `step`'s rows (each a prompt index, the samples of one prompt consecutive), their left-padded prompts
+    on the device and their seeds."""
+    config, accelerator = run.config, run.accelerator
+    rows = [i for i in run.plan.micro_batches(step)[0] for _ in range(config.num_samples_per_prompt)]
+    query_ids, query_mask = pad_sequences([run.prompt_ids[i] for i in rows], run.tokenizer.pad_token_id, "left")
+    # One random stream per response, keyed by its row among all processes' rows: the samples do not
+    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
+    first_row = accelerator.process_index * config.rollout_size
+    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    return rows, RolloutRequest(query_ids.to(accelerator.device), query_mask.bool().to(accelerator.device), row_seeds)
+
+
+def _start_rollout_workers(run: PPORun, start_step: int) -> StaleRollouts:
+    """config.rollout_workers engine processes for this training process, max_staleness steps ahead."""
+    config = run.config
+    return StaleRollouts.start(
+        engine=config.rollout_engine, engine_options=run.plugins["rollout_engine"][1], max_length=config.max_length,
+        workers=config.rollout_workers, threads=config.rollout_worker_threads, timeout=config.rollout_worker_timeout,
+        output_dir=config.output_dir, first_index=run.accelerator.process_index * config.rollout_workers,
+        max_staleness=config.max_staleness, start_step=start_step, total_steps=run.plan.total_steps,
+        request=lambda step: _rollout_request(run, step)[1],
+        sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **_sampling(run)))
+
+
 def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
     """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
     if run.reward_fn is None or not takes_record_fields(run.reward_fn):

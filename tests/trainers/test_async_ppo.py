@@ -3,15 +3,26 @@ the staleness schedule, and runs with a rollout worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from marlhf.advantages import macro_gae
+from marlhf.engines import Generation
+from marlhf.logging_utils import read_metrics
 from marlhf.losses import behaviour_weights, policy_loss
 from marlhf.segments import fixed_ngram, randomized_ngram
+from marlhf.staleness import RolloutRequest, StaleRollouts, behaviour_version
+from marlhf.trainers.ppo import train_ppo
+from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 from tests.reference import random_batch, segments_of_row
+from tests.trainers.killed_run import run_until_killed
+from tests.trainers.test_ppo import RECORDS, _config, _metrics_without_timings, count_e
 
 
 # ------------------------------------------------------------------------------- the loss, against a reference
@@ -97,3 +108,132 @@ def test_behaviour_weights_drop_or_truncate_above_the_cap():
     with pytest.raises(ValueError, match="two corrections"):
         policy_loss(log_ratio, log_ratio, log_ratio, units, behaviour_logprobs=log_ratio, rollout_logprobs=log_ratio,
                     tis_cap=2.0)
+
+
+# ------------------------------------------------------------------------------- the schedule
+class _FakeWorker:
+    """In-process stand-in for a RolloutWorker: records which policy version each request was sampled by."""
+
+    def __init__(self) -> None:
+        self.version, self.sampled_by, self.weights_sent = None, {}, 0
+
+    def send_weights(self, policy) -> None:
+        self.version, self.weights_sent = policy.version, self.weights_sent + 1
+
+    def submit(self, step, query_ids, query_mask, *, row_seeds, **sampling) -> None:
+        self.sampled_by[step] = self.version
+
+    def result(self, step):
+        rows = 2
+        return Generation(torch.full((rows, 3), step), torch.ones(rows, 3, dtype=torch.bool),
+                          torch.zeros(rows, 3)), 0.1, 6
+
+    def close(self) -> None:
+        pass
+
+
+def test_behaviour_version_table():
+    assert [behaviour_version(t, 0) for t in range(5)] == [0, 1, 2, 3, 4]
+    assert [behaviour_version(t, 1) for t in range(5)] == [0, 0, 1, 2, 3]
+    assert [behaviour_version(t, 2) for t in range(5)] == [0, 0, 0, 1, 2]
+    assert [behaviour_version(t, 2, start_step=3) for t in range(3, 7)] == [3, 3, 3, 4]  # after a resume at 3
+    with pytest.raises(ValueError, match="max_staleness"):
+        behaviour_version(1, -1)
+
+
+@pytest.mark.parametrize("k,start", [(0, 0), (1, 0), (2, 0), (2, 3)])
+def test_each_step_is_sampled_by_its_scheduled_version_and_asked_for_once(k, start):
+    total = 7
+    worker = _FakeWorker()
+    request = lambda step: RolloutRequest(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                                          [step, step])
+    rollouts = StaleRollouts([worker], k, start, total, request, dict(pad_token_id=0))
+    policy = types.SimpleNamespace(version=None)
+    staleness = []
+    for step in range(start, total):
+        policy.version = step  # the policy after `step` updates
+        generation = rollouts.generation(step, policy)
+        assert generation.response_ids[0, 0].item() == step  # its own step's batch
+        staleness.append(rollouts.metrics["rollout/staleness"])
+    assert worker.sampled_by == {t: behaviour_version(t, k, start) for t in range(start, total)}
+    assert staleness == [t - behaviour_version(t, k, start) for t in range(start, total)]
+    assert worker.weights_sent == total - start - k if k else total - start  # once per version that samples
+    assert not rollouts.versions and not rollouts.asked  # nothing left in flight
+
+
+# ------------------------------------------------------------------------------- runs
+def _run(tmp_path, name, records=RECORDS, **overrides):
+    config = _config(tmp_path, output_dir=str(tmp_path / name), per_device_batch_size=4, mini_batch_size=2,
+                     ppo_epochs=2, max_steps=4, **overrides)
+    train_ppo(config, records, policy=build_tiny_causal_lm(build_tiny_tokenizer()), tokenizer=build_tiny_tokenizer(),
+              reward_fn=count_e)
+    return _metrics_without_timings(tmp_path / name)
+
+
+def test_a_worker_at_staleness_0_trains_like_the_engine_in_process(tmp_path):
+    """The worker samples what the in-process engine samples: every metric of the synchronous run, bit for bit."""
+    here = _run(tmp_path, "in_process")
+    assert _run(tmp_path, "in_process_explicit", max_staleness=0, rollout_workers=0) == here
+    worker = _run(tmp_path, "worker", rollout_workers=1)
+    assert [{k: v for k, v in m.items() if k != "rollout/staleness"} for m in worker] == here
+    assert {m["rollout/staleness"] for m in worker} == {0.0}
+    assert "request 3: 4 rows" in (tmp_path / "worker" / "rollout_worker_0.log").read_text()
+
+
+def test_staleness_1_with_a_fixed_seed_gives_identical_metrics_twice(tmp_path):
+    first = _run(tmp_path, "first", max_staleness=1, rollout_workers=1)
+    assert first == _run(tmp_path, "second", max_staleness=1, rollout_workers=1)
+    assert [m["rollout/staleness"] for m in first] == [0.0, 1.0, 1.0, 1.0]
+    assert all(math.isfinite(m["policy/behaviour_weight_mean"]) for m in first)
+    assert {"rollout/logprob_diff_mean", "rollout/logprob_diff_max"} <= set(first[1])
+    assert first[1]["rollout/logprob_diff_max"] > 0  # a stale batch: behaviour and proximal policies differ
+    metrics = read_metrics(tmp_path / "first")
+    assert metrics[1]["time/rollout_worker_tokens_per_s"] > 0 and metrics[1]["time/rollout_wait"] >= 0
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="rollout_workers >= 1"):
+        _config(Path("/tmp"), max_staleness=1).validate()
+    with pytest.raises(ValueError, match="unset tis_cap"):
+        _config(Path("/tmp"), max_staleness=1, rollout_workers=1, tis_cap=2.0).validate()
+    with pytest.raises(ValueError, match="max_staleness"):
+        _config(Path("/tmp"), max_staleness=1, rollout_workers=1, rollout_logprobs="sampling",
+                mini_batch_size=2).validate()
+    with pytest.raises(ValueError, match="max_staleness"):
+        _config(Path("/tmp"), max_staleness=-1).validate()
+
+
+def test_resume_regenerates_the_batches_in_flight_none_lost_none_used_twice(tmp_path):
+    """max_staleness 2, checkpoint after step 2, SIGKILL after step 3 was logged: batches 3 and 4 were in flight.
+    The resumed run asks for each of the steps 3..5 (0-based 2..4) once, trains each once, and its worker died
+    with the trainer."""
+    config = _config(tmp_path, output_dir=str(tmp_path / "run"), per_device_batch_size=4, mini_batch_size=2,
+                     max_steps=5, save_steps=2, max_staleness=2, rollout_workers=1, reward_fns=(f"{__name__}:count_e",),
+                     model_name_or_path=str(_tiny_model_dir(tmp_path)))
+    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", config, RECORDS, kill_after=3, work_dir=tmp_path)
+    log = tmp_path / "run" / "rollout_worker_0.log"
+    first_pid = int(log.read_text().split("pid ")[1].split(",")[0])
+    assert [line.split(":")[0] for line in log.read_text().splitlines() if line.startswith("request")][:5] == \
+        [f"request {i}" for i in range(5)]  # asked up to step 3 + 2 before the kill
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{first_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{first_pid}").exists(), "the worker outlived its killed trainer"
+
+    before = log.read_text()
+    resumed = dataclasses.replace(config, resume="latest")
+    train_ppo(resumed, RECORDS)
+    after = log.read_text()[len(before):]
+    assert [line.split(":")[0] for line in after.splitlines() if line.startswith("request")] == \
+        ["request 2", "request 3", "request 4"]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["rollout/staleness"] for m in metrics[2:]] == [0.0, 1.0, 2.0]  # version max(2, t - 2)
+
+
+def _tiny_model_dir(tmp_path):
+    path = tmp_path / "tiny"
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_causal_lm(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
