@@ -199,9 +199,11 @@ def run_one(task: str, setup: str, cell: str, seed: int, work: str, results: str
 
 
 def execute_run(config, models_dir: Path, models_name: str, options: dict, seed: int, run_dir: Path,
-                label: str) -> dict:
+                label: str, curve_keys: tuple[str, ...] = (), after_step=None) -> dict:
     """One PPO run with the demo's `config` and the PPOConfig `options` on the models of MODELS_DIR (built first
-    if needed), one torch thread; returns its per-step curves, held-out metrics and provenance."""
+    if needed), one torch thread; returns its per-step curves (`curve_keys`: metrics beside the usual ones),
+    held-out metrics and provenance. `after_step(models, eval_prompts)`: makes train_ppo's hook after each step
+    (evaluations during training)."""
     import torch
 
     from marlhf.demo.pipeline import GOLD_FILE, load_models, run_method
@@ -215,13 +217,14 @@ def execute_run(config, models_dir: Path, models_name: str, options: dict, seed:
     rl_prompts = models.task.prompts(config.ppo_steps * config.ppo_batch_size, seed=1)
     eval_prompts = [r["prompt"] for r in models.task.prompts(config.eval_prompts, seed=2)]
     start = time.perf_counter()
-    held_out = run_method(config, models, options, seed, run_dir, rl_prompts, eval_prompts, label)
+    held_out = run_method(config, models, options, seed, run_dir, rl_prompts, eval_prompts, label,
+                          after_step=after_step(models, eval_prompts) if after_step is not None else None)
     by_step = {row["step"]: row for row in _read_jsonl(run_dir / METRICS_FILE)}
     for row in _read_jsonl(run_dir / GOLD_FILE):
         by_step[row["step"]].update(row)
     keys = ("gold_reward", "rm_reward", "objective/kl", "objective/rm_score", "policy/clipfrac", "policy/approxkl",
             "val/advantage_l2", "val/return_l2", "macro/mean_segment_length", "objective/response_length",
-            "loss/value", "objective/kl_coef")
+            "loss/value", "objective/kl_coef", *curve_keys)
     curves = {key: [by_step[s].get(key) for s in sorted(by_step)] for key in keys}
     result = {
         "options": options,

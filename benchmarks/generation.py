@@ -35,7 +35,7 @@ import torch
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
 from marlhf.cli import quiet_libraries
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 from marlhf.engines.hf import generate_responses
 
 VLLM = ("vllm engine", "vllm's")
@@ -66,8 +66,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(*args.prompt_lengths))]
                for _ in range(args.batch)]
-    query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
-    query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+    prompt_ids, prompt_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
     sampling = dict(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     row_seeds=list(range(args.batch)))
@@ -85,10 +85,10 @@ def main() -> None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         if (noise, cache) == VLLM:
-            generation = engine.generate(query_ids, query_mask, **sampling)
+            generation = engine.generate(prompt_ids, prompt_mask, **sampling)
             response_ids, response_mask = generation.response_ids, generation.response_mask
         else:
-            response_ids, response_mask = generate_responses(policy, query_ids, query_mask, sampling_noise=noise,
+            response_ids, response_mask = generate_responses(policy, prompt_ids, prompt_mask, sampling_noise=noise,
                                                              kv_cache=cache, **sampling)
         if device == "cuda":
             torch.cuda.synchronize()

@@ -29,7 +29,7 @@ from ppo_step import llama, word_tokenizer
 from marlhf.continuations import PrefixContinuations
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 from marlhf.segments import fixed_ngram, keep_boundaries, num_segments
 from marlhf.trainers.ppo import _seed
 
@@ -52,8 +52,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 4096) for _ in range(rng.randint(*arguments.prompt_lengths))]
                for _ in range(arguments.batch)]
-    query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
-    query_mask = query_mask.bool()
+    prompt_ids, prompt_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    prompt_mask = prompt_mask.bool()
     engine = HFEngine()
     engine.sync_weights(policy)
     sampling = dict(temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
@@ -61,7 +61,7 @@ def main() -> None:
 
     def rollout(round_seed: int):
         seeds = [round_seed * 100_000 + row for row in range(arguments.batch)]
-        return engine.generate(query_ids, query_mask, row_seeds=seeds, max_new_tokens=arguments.new_tokens,
+        return engine.generate(prompt_ids, prompt_mask, row_seeds=seeds, max_new_tokens=arguments.new_tokens,
                                **sampling)
 
     decoded_tokens = []
@@ -73,7 +73,7 @@ def main() -> None:
     def continuations(generation, round_seed: int) -> tuple[PrefixContinuations, int]:
         """The continuations of one rollout's responses, and how many boundaries they continued."""
         continuer = PrefixContinuations(
-            query_ids, query_mask, generation.response_ids,
+            prompt_ids, prompt_mask, generation.response_ids,
             lambda ids, mask, seeds, new: decoded(engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=new,
                                                                   **sampling)),
             lambda rows, q, qm, ids, mask: mask.sum(1).float(),

@@ -1,5 +1,5 @@
 """What cutting padding saves: forward passes over length-sorted chunks with their common padding cut
-(marlhf.rollout.forward_in_chunks, used by PPO's scoring and its update pieces) against the same chunks in
+(marlhf.rollout.forward_in_pieces, used by PPO's scoring and its update pieces) against the same chunks in
 random order, each as wide as the whole batch (what a plain split of the padded batch computes).
 
     python benchmarks/padding.py [--batch 32] [--chunk 4] [--prompt-lengths 32 256] [--response-lengths 8 64]
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from marlhf.modeling import pad_sequences
-from marlhf.rollout import forward_in_chunks, length_sorted_chunks, response_logprobs, row_lengths
+from marlhf.data.encoding import pad_sequences
+from marlhf.rollout import forward_in_pieces, length_sorted_pieces, response_logprobs, row_lengths
 from ppo_step import VOCAB_SIZE, llama, word_tokenizer
 
 
@@ -32,27 +32,27 @@ def ragged_batch(batch: int, prompt_lengths: tuple[int, int], response_lengths: 
         lengths = torch.randint(low, high + 1, (batch,), generator=generator)
         return [torch.randint(3, VOCAB_SIZE, (int(n),), generator=generator).tolist() for n in lengths]
 
-    query_ids, query_mask = pad_sequences(draw(*prompt_lengths), 0, "left")
+    prompt_ids, prompt_mask = pad_sequences(draw(*prompt_lengths), 0, "left")
     response_ids, response_mask = pad_sequences(draw(*response_lengths), 0, "right")
-    return query_ids, query_mask.bool(), response_ids, response_mask.bool()
+    return prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool()
 
 
-def padded_chunks(forward, query_ids, query_mask, response_ids, response_mask, chunk_size: int) -> torch.Tensor:
+def padded_chunks(forward, prompt_ids, prompt_mask, response_ids, response_mask, piece_size: int) -> torch.Tensor:
     """The baseline: chunks of the padded batch in random order, every chunk as wide as the batch."""
-    order = torch.randperm(query_ids.shape[0], generator=torch.Generator().manual_seed(1))
-    outputs = [forward(query_ids[rows], query_mask[rows], response_ids[rows], response_mask[rows])
-               for rows in order.split(chunk_size)]
+    order = torch.randperm(prompt_ids.shape[0], generator=torch.Generator().manual_seed(1))
+    outputs = [forward(prompt_ids[rows], prompt_mask[rows], response_ids[rows], response_mask[rows])
+               for rows in order.split(piece_size)]
     return torch.cat(outputs)[order.argsort()]
 
 
-def computed_padding(query_mask, response_mask, chunks: list[torch.Tensor], trimmed: bool) -> float:
+def computed_padding(prompt_mask, response_mask, chunks: list[torch.Tensor], trimmed: bool) -> float:
     computed = 0
     for rows in chunks:
         if trimmed:
-            computed += len(rows) * (int(query_mask[rows].any(0).sum()) + int(response_mask[rows].any(0).sum()))
+            computed += len(rows) * (int(prompt_mask[rows].any(0).sum()) + int(response_mask[rows].any(0).sum()))
         else:
-            computed += len(rows) * (query_mask.shape[1] + response_mask.shape[1])
-    return 1 - (int(query_mask.sum()) + int(response_mask.sum())) / computed
+            computed += len(rows) * (prompt_mask.shape[1] + response_mask.shape[1])
+    return 1 - (int(prompt_mask.sum()) + int(response_mask.sum())) / computed
 
 
 def best_seconds(function, repeats: int) -> float:
@@ -77,33 +77,33 @@ def main() -> None:
 
     policy = llama(word_tokenizer(), seed=0)
     batch = ragged_batch(args.batch, args.prompt_lengths, args.response_lengths)
-    query_mask, response_mask = batch[1], batch[3]
+    prompt_mask, response_mask = batch[1], batch[3]
 
     def logprobs(*rows):
         return response_logprobs(policy, *rows, temperature=0.7)
 
     def scoring(chunked):
         with torch.no_grad():
-            chunked(logprobs, *batch, chunk_size=args.chunk)
+            chunked(logprobs, *batch, piece_size=args.chunk)
 
     def update(chunked):
         policy.zero_grad(set_to_none=True)
-        chunked(logprobs, *batch, chunk_size=args.chunk).sum().backward()
+        chunked(logprobs, *batch, piece_size=args.chunk).sum().backward()
 
     with torch.no_grad():  # both ways compute the same numbers
-        torch.testing.assert_close(forward_in_chunks(logprobs, *batch, chunk_size=args.chunk),
-                                   padded_chunks(logprobs, *batch, chunk_size=args.chunk), atol=1e-4, rtol=1e-4)
-    sorted_chunks = length_sorted_chunks(*row_lengths(query_mask, response_mask), args.chunk)
+        torch.testing.assert_close(forward_in_pieces(logprobs, *batch, piece_size=args.chunk),
+                                   padded_chunks(logprobs, *batch, piece_size=args.chunk), atol=1e-4, rtol=1e-4)
+    sorted_chunks = length_sorted_pieces(*row_lengths(prompt_mask, response_mask), args.chunk)
     random_chunks = list(torch.randperm(args.batch).split(args.chunk))
     print(f"Llama ~5M params, {args.batch} rows, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, "
           f"responses {args.response_lengths[0]}-{args.response_lengths[1]}, chunks of {args.chunk}, CPU "
           f"{args.threads} thread(s), best of {args.repeats}")
-    print(f"  padding computed: padded chunks {computed_padding(query_mask, response_mask, random_chunks, False):.0%}, "
-          f"sorted + cut {computed_padding(query_mask, response_mask, sorted_chunks, True):.0%}")
+    print(f"  padding computed: padded chunks {computed_padding(prompt_mask, response_mask, random_chunks, False):.0%}, "
+          f"sorted + cut {computed_padding(prompt_mask, response_mask, sorted_chunks, True):.0%}")
     policy.eval()
     for name, step in (("scoring (no grad)", scoring), ("update (fwd + bwd)", update)):
         padded = best_seconds(lambda: step(padded_chunks), args.repeats)
-        trimmed = best_seconds(lambda: step(forward_in_chunks), args.repeats)
+        trimmed = best_seconds(lambda: step(forward_in_pieces), args.repeats)
         print(f"  {name:19s} padded chunks {padded:.3f} s   sorted + cut {trimmed:.3f} s   "
               f"speed-up {padded / trimmed:.2f}x")
 

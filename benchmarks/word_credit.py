@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from marlhf.advantages import macro_gae
     from marlhf.demo.pipeline import load_models, max_response_tokens
-    from marlhf.modeling import ScalarHeadModel, pad_sequences
+    from marlhf.data.encoding import pad_sequences
+    from marlhf.modeling import ScalarHeadModel
     from marlhf.engines.hf import generate_responses
     from marlhf.rollout import response_values
     from marlhf.segments import fixed_ngram, word_starts, words
@@ -64,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     batches = []
     for start in range(0, len(prompts), 64):
         batch_prompts = prompts[start:start + 64]
-        query_ids, query_mask = pad_sequences([tokenizer(p)["input_ids"] for p in batch_prompts],
+        prompt_ids, prompt_mask = pad_sequences([tokenizer(p)["input_ids"] for p in batch_prompts],
                                               tokenizer.pad_token_id, "left")
         with torch.no_grad():
             response_ids, response_mask = generate_responses(
-                models.sft, query_ids, query_mask.bool(), max_new_tokens=max_response_tokens(num_words),
+                models.sft, prompt_ids, prompt_mask.bool(), max_new_tokens=max_response_tokens(num_words),
                 temperature=0.8, top_k=50, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
-        batches.append((query_ids, query_mask.bool(), response_ids, response_mask))
+        batches.append((prompt_ids, prompt_mask.bool(), response_ids, response_mask))
 
     def word_credit(response_ids, response_mask):
         """[B, T] float: 4/W x the score of each word (of the first W) on its last token; 0 elsewhere."""

@@ -17,19 +17,19 @@ import torch
 
 from marlhf.engines.base import Generation
 
-__all__ = ["PrefixContinuations", "prefix_queries", "join_continuations"]
+__all__ = ["PrefixContinuations", "prefixed_prompts", "join_continuations"]
 
 
-def prefix_queries(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
-                   rows: torch.Tensor, prefix_lengths: torch.Tensor,
-                   pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prefixed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                     rows: torch.Tensor, prefix_lengths: torch.Tensor,
+                     pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt of row `rows[n]` followed by its first `prefix_lengths[n]` response tokens, left-padded: what the
-    engine continues. query_ids, query_mask: [B, P]; response_ids: [B, T]; rows, prefix_lengths: long [N];
+    engine continues. prompt_ids, prompt_mask: [B, P]; response_ids: [B, T]; rows, prefix_lengths: long [N];
     returns (ids long [N, W], mask bool [N, W]), W the longest prefix (columns that are padding in every row cut)."""
     width = response_ids.shape[1]
-    ids = torch.cat([query_ids[rows], response_ids[rows]], dim=1)
+    ids = torch.cat([prompt_ids[rows], response_ids[rows]], dim=1)
     positions = torch.arange(width, device=rows.device)[None, :]
-    mask = torch.cat([query_mask[rows].bool(), positions < prefix_lengths[:, None]], dim=1)
+    mask = torch.cat([prompt_mask[rows].bool(), positions < prefix_lengths[:, None]], dim=1)
     # Shift each row right by its unused response columns, so that its real tokens end at the last column.
     source = torch.arange(ids.shape[1], device=rows.device)[None, :] - (width - prefix_lengths)[:, None]
     mask = mask.gather(1, source.clamp(min=0)) & (source >= 0)
@@ -63,13 +63,13 @@ class PrefixContinuations:
     calls and the continuation tokens it keeps (`calls`, `tokens`; a continuation past the response length is cut
     there, and its cut tokens are not counted).
 
-    query_ids, query_mask: [B, P], the step's prompts; response_ids: [B, T], its responses;
+    prompt_ids, prompt_mask: [B, P], the step's prompts; response_ids: [B, T], its responses;
     generate(ids, mask, row_seeds, max_new_tokens) -> Generation: the run's engine with its sampling settings;
-    score(rows, query_ids, query_mask, response_ids, response_mask) -> float [N]: final scores of full responses;
+    score(rows, prompt_ids, prompt_mask, response_ids, response_mask) -> float [N]: final scores of full responses;
     max_response_length: the longest response (prefix + continuation)."""
 
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
     response_ids: torch.Tensor
     generate: Callable[[torch.Tensor, torch.Tensor, list[int], int], Generation]
     score: Callable[[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -87,11 +87,11 @@ class PrefixContinuations:
             return self.response_ids.new_zeros((0, k), dtype=torch.float32)
         host_rows, host_lengths = torch.stack([rows, prefix_lengths]).tolist()
         seeds = [self.seed(row, length, i % k) for i, (row, length) in enumerate(zip(host_rows, host_lengths))]
-        ids, mask = prefix_queries(self.query_ids, self.query_mask, self.response_ids, rows, prefix_lengths,
-                                   self.pad_token_id)
+        ids, mask = prefixed_prompts(self.prompt_ids, self.prompt_mask, self.response_ids, rows, prefix_lengths,
+                                     self.pad_token_id)
         continuation = self.generate(ids, mask, seeds, self.max_response_length - min(host_lengths))
         self.calls += 1
         responses = join_continuations(self.response_ids, rows, prefix_lengths, continuation,
                                        self.max_response_length, self.pad_token_id)
         self.tokens += int(responses[1].sum()) - sum(host_lengths)
-        return self.score(host_rows, self.query_ids[rows], self.query_mask[rows], *responses).view(-1, k)
+        return self.score(host_rows, self.prompt_ids[rows], self.prompt_mask[rows], *responses).view(-1, k)

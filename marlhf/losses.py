@@ -50,6 +50,26 @@ def _aggregate(token_weighted: torch.Tensor, mask: torch.Tensor, loss_agg_mode: 
 MAX_LOG_RATIO = 20.0
 
 
+def _check_policy_loss_inputs(mask: torch.Tensor, clip: float, tis_cap: float | None,
+                              **tensors: torch.Tensor | None) -> None:
+    """policy_loss's tensors shaped like the mask, its clip and TIS cap valid, at most one off-policy correction."""
+    check_mask(mask)
+    for name in ("logprobs", "old_logprobs", "advantages"):
+        check_like(tensors[name], mask, name)
+    if not clip > 0:
+        raise ValueError(f"`clip` must be > 0, got {clip}")
+    if tis_cap is not None:
+        if not tis_cap > 0:
+            raise ValueError(f"`tis_cap` must be > 0, got {tis_cap}")
+        if tensors["rollout_logprobs"] is None:
+            raise ValueError("`tis_cap` needs the rollout engine's sampling log-probs (`rollout_logprobs`)")
+        check_like(tensors["rollout_logprobs"], mask, "rollout_logprobs")
+    if tensors["behaviour_logprobs"] is not None:
+        if tis_cap is not None:
+            raise ValueError("`tis_cap` and `behaviour_logprobs` are two corrections of one gap: give one")
+        check_like(tensors["behaviour_logprobs"], mask, "behaviour_logprobs")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -109,22 +129,9 @@ def policy_loss(
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
     """
-    check_mask(mask)
-    check_like(logprobs, mask, "logprobs")
-    check_like(old_logprobs, mask, "old_logprobs")
-    check_like(advantages, mask, "advantages")
-    if not clip > 0:
-        raise ValueError(f"`clip` must be > 0, got {clip}")
-    if tis_cap is not None:
-        if not tis_cap > 0:
-            raise ValueError(f"`tis_cap` must be > 0, got {tis_cap}")
-        if rollout_logprobs is None:
-            raise ValueError("`tis_cap` needs the rollout engine's sampling log-probs (`rollout_logprobs`)")
-        check_like(rollout_logprobs, mask, "rollout_logprobs")
-    if behaviour_logprobs is not None:
-        if tis_cap is not None:
-            raise ValueError("`tis_cap` and `behaviour_logprobs` are two corrections of one gap: give one")
-        check_like(behaviour_logprobs, mask, "behaviour_logprobs")
+    _check_policy_loss_inputs(mask, clip, tis_cap, logprobs=logprobs, old_logprobs=old_logprobs,
+                              advantages=advantages, rollout_logprobs=rollout_logprobs,
+                              behaviour_logprobs=behaviour_logprobs)
     check_loss_options(loss_agg_mode, ratio_granularity, segment_weighting)
 
     zeros = torch.zeros_like(logprobs)

@@ -8,7 +8,6 @@ API:
         model(input_ids, attention_mask) -> values [B, T] float32    (critic: one value per token)
         model.score(input_ids, attention_mask) -> [B]                 (reward model: value at last real token)
         model.save_pretrained(dir): backbone files + scalar_head.safetensors
-    pad_sequences(list of token-id lists, pad_token_id, padding_side) -> (input_ids [B, T], attention_mask [B, T] long)
     position_ids_from_mask(attention_mask) -> [B, T]      (positions count real tokens only: left padding safe)
     last_token_index(attention_mask) -> [B]                (last real token; any padding side)
     token_logprobs(logits [B, T, V], tokens [B, T], temperature=1.0, chunk_size=8) -> [B, T] float32
@@ -39,9 +38,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +48,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrai
 
 from marlhf.config import LLAMA_ATTENTION, TrainingConfig
 from marlhf.errors import MarlhfError
+from marlhf.hub import HUB_TIMEOUT_VARIABLE, hub_lookup, hub_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -80,22 +77,6 @@ def check_model_path(name_or_path: str | Path) -> None:
     _check_hub_id(name)
 
 
-HUB_TIMEOUT_VARIABLE = "MARLHF_HUB_TIMEOUT"
-HUB_TIMEOUT_DEFAULT = 10.0
-
-
-def hub_timeout() -> float:
-    """Seconds a Hub lookup may take in all, retries included: MARLHF_HUB_TIMEOUT, default 10."""
-    text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
-    try:
-        seconds = float(text) if text else HUB_TIMEOUT_DEFAULT
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise MarlhfError(f"{HUB_TIMEOUT_VARIABLE}={text!r} must be a number of seconds > 0")
-    return seconds
-
-
 def _check_hub_id(repo_id: str) -> None:
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -119,60 +100,6 @@ def _check_hub_id(repo_id: str) -> None:
                       "it where there is a network, point HF_HOME at a cache that holds it, pass a local directory, "
                       f"set HF_HUB_OFFLINE=1 to work from the cache, or raise {HUB_TIMEOUT_VARIABLE} (now "
                       f"{hub_timeout():g} s)")
-
-
-_LOOKED_UP = {"model": ("config.json", "a local directory"), "dataset": ("README.md", "a local .jsonl/.parquet file")}
-
-
-def hub_lookup(repo_id: str, timeout_s: float, missing_is_error: bool, repo_type: str = "model",
-               revision: str | None = None) -> str | None:
-    """HEAD of a model repo's config.json (a dataset repo's README.md) at `revision`, retried on 408/429/5xx,
-    timeouts and dropped connections within timeout_s seconds in all: None when the Hub answered, else what it did
-    last ("answered HTTP 503 ... after 3 tries in 7.1 s"). Another 4xx (not there, gated, private) is a MarlhfError
-    when missing_is_error, else None."""
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError
-
-    started = time.monotonic()
-    deadline = started + timeout_s
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            # a file URL of the repo (from HF_ENDPOINT), with what is left of the time
-            url = hf_hub_url(repo_id, _LOOKED_UP[repo_type][0], repo_type=repo_type, revision=revision)
-            get_hf_file_metadata(url, timeout=max(deadline - time.monotonic(), 1e-3))
-            return None
-        except RemoteEntryNotFoundError:
-            return None  # the repo is there without that file: from_pretrained or load_dataset says what it lacks
-        except HfHubHTTPError as error:
-            code = error.response.status_code
-            status = f"answered HTTP {code} {error.response.reason_phrase}"
-            if code not in (408, 429) and code < 500:  # not there, gated or private: asking again cannot help
-                if not missing_is_error:
-                    return None
-                raise MarlhfError(f"{repo_type} {repo_id!r} is not {_LOOKED_UP[repo_type][1]}, and the Hub "
-                                  f"({constants.ENDPOINT}) {status} for it: check the id (and HF_ENDPOINT), or for a "
-                                  f"gated or private {repo_type} log in (hf auth login) or set HF_TOKEN") from None
-        except Exception as error:  # noqa: BLE001 - the HTTP client's network errors: classified by their cause
-            cause = _root_cause(error)
-            status = f"failed ({cause or error})"
-            if isinstance(cause, (ConnectionRefusedError, socket.gaierror)):
-                return f"{status} at once"  # nothing listens there, or no such host: waiting cannot help
-        delay = 2.0 ** (tries - 1)
-        elapsed = time.monotonic() - started
-        if time.monotonic() + delay >= deadline:
-            return f"{status} after {tries} {'try' if tries == 1 else 'tries'} in {elapsed:.1f} s"
-        time.sleep(delay)
-
-
-def _root_cause(error: BaseException) -> BaseException | None:
-    """The innermost exception of error's chain (an HTTP client wraps the socket's error)."""
-    seen = []
-    while error is not None and error not in seen:
-        seen.append(error)
-        error = error.__cause__ or error.__context__
-    return seen[-1] if len(seen) > 1 else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -272,22 +199,6 @@ class ScalarHeadModel(nn.Module):
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         values = self(input_ids, attention_mask)
         return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
-
-
-def pad_sequences(sequences: list[list[int]], pad_token_id: int,
-                  padding_side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    if not sequences or min(len(s) for s in sequences) == 0:
-        raise ValueError("pad_sequences needs at least one sequence and no empty sequence")
-    length = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        span = slice(0, len(sequence)) if padding_side == "right" else slice(length - len(sequence), length)
-        input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask[row, span] = 1
-    return input_ids, attention_mask
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

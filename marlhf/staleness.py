@@ -44,23 +44,23 @@ def behaviour_version(step: int, max_staleness: int, start_step: int = 0) -> int
 
 @dataclasses.dataclass(frozen=True)
 class RolloutRequest:
-    """One step's prompts and seeds: query_ids long [B, P] left-padded, query_mask bool [B, P], row_seeds [B]."""
+    """One step's prompts and seeds: prompt_ids long [B, P] left-padded, prompt_mask bool [B, P], row_seeds [B]."""
 
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
     row_seeds: Sequence[int]
 
 
 class StaleRollouts:
     """The trainer's side of the pipeline: `generation(step, policy)` at the start of each step returns the step's
-    Generation (on the query's device) after asking the workers for the batches up to step + max_staleness."""
+    Generation (on the prompts' device) after asking the workers for the batches up to step + max_staleness."""
 
-    def __init__(self, workers: list[RolloutWorker], max_staleness: int, start_step: int, total_steps: int,
+    def __init__(self, workers: list[RolloutWorker], max_staleness: int, start_step: int, total_steps: int | None,
                  request: Callable[[int], RolloutRequest], sampling: dict[str, Any]) -> None:
         self.workers, self.max_staleness, self.start_step = workers, max_staleness, start_step
         self.total_steps, self.request, self.sampling = total_steps, request, sampling
         self.versions: dict[int, int] = {}  # step -> the policy version that samples its batch (submitted ones)
-        self.asked: dict[int, tuple[torch.device, int]] = {}  # step -> (its query's device, workers asked)
+        self.asked: dict[int, tuple[torch.device, int]] = {}  # step -> (its prompts' device, workers asked)
         self.metrics: dict[str, float] = {}  # the last step's rollout/staleness and its timings (time/)
 
     @classmethod
@@ -82,7 +82,9 @@ class StaleRollouts:
     def generation(self, step: int, policy: nn.Module) -> Generation:
         """Step `step`'s batch. `policy` is version `step`: the workers get it for the batch of step + k."""
         began = time.perf_counter()
-        last = min(step + self.max_staleness, self.total_steps - 1)
+        last = step + self.max_staleness
+        if self.total_steps is not None:  # None: no last step (a token budget may draw the run out)
+            last = min(last, self.total_steps - 1)
         first = max(self.versions, default=step - 1) + 1
         if first <= last:
             for worker in self.workers:
@@ -113,9 +115,9 @@ class StaleRollouts:
     def _submit(self, step: int) -> None:
         request = self.request(step)
         shares = self._shares(len(request.row_seeds))
-        self.asked[step] = (request.query_ids.device, len(shares))
+        self.asked[step] = (request.prompt_ids.device, len(shares))
         for worker, share in zip(self.workers, shares):
-            worker.submit(step, request.query_ids[share], request.query_mask[share],
+            worker.submit(step, request.prompt_ids[share], request.prompt_mask[share],
                           row_seeds=list(request.row_seeds[share]), **self.sampling)
 
     def _collect(self, step: int) -> tuple[Generation, float, int]:

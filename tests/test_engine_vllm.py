@@ -26,7 +26,8 @@ from marlhf.engines import (EngineContext, Generation, VLLMEngine, VLLMOptions, 
 from marlhf.engines.vllm import _policy_weights
 from marlhf.errors import MarlhfError, MissingPackage
 from marlhf.logging_utils import read_metrics
-from marlhf.modeling import ScalarHeadModel, add_lora, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import ScalarHeadModel, add_lora
 from marlhf.engines.hf import generate_responses
 from marlhf.rollout import response_logprobs
 from marlhf.trainers.ppo import PPOConfig, train_ppo
@@ -67,9 +68,9 @@ def setup(tiny_tokenizer):
 
 
 def _generate(setup, seeds, return_logprobs=True, eos_token_id=None, **overrides):
-    engine, model, query_ids, query_mask, tokenizer = setup
+    engine, model, prompt_ids, prompt_mask, tokenizer = setup
     sampling = {**SAMPLING, **overrides}
-    generation = engine.generate(query_ids, query_mask, row_seeds=seeds, return_logprobs=return_logprobs,
+    generation = engine.generate(prompt_ids, prompt_mask, row_seeds=seeds, return_logprobs=return_logprobs,
                                  eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id, **sampling)
     assert isinstance(generation, Generation)
@@ -143,25 +144,25 @@ def test_a_batch_over_vllms_token_budget_runs_and_keeps_per_row_seeds(setup):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, len(tokenizer), (int(n),), generator=generator).tolist()
                for n in torch.randint(140, 161, (32,), generator=generator)]
-    query_ids, query_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
-    query_mask = query_mask.bool()
+    prompt_ids, prompt_mask = pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    prompt_mask = prompt_mask.bool()
     seeds = list(range(100, 132))
     sampling = dict(SAMPLING, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     return_logprobs=True)
-    whole = engine.generate(query_ids, query_mask, row_seeds=seeds, **sampling)
+    whole = engine.generate(prompt_ids, prompt_mask, row_seeds=seeds, **sampling)
     scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
-    assert query_mask.sum() > scheduler.max_num_batched_tokens and scheduler.max_num_seqs == 64  # engine_kwargs'
+    assert prompt_mask.sum() > scheduler.max_num_batched_tokens and scheduler.max_num_seqs == 64  # engine_kwargs'
     with torch.no_grad():
-        expected = response_logprobs(model, query_ids, query_mask, whole.response_ids, whole.response_mask,
+        expected = response_logprobs(model, prompt_ids, prompt_mask, whole.response_ids, whole.response_mask,
                                      temperature=SAMPLING["temperature"])
     assert (whole.logprobs - expected).abs().max().item() < TOL
     for rows in (slice(16, 32), slice(0, 16)):
-        half = engine.generate(query_ids[rows], query_mask[rows], row_seeds=seeds[rows], **sampling)
+        half = engine.generate(prompt_ids[rows], prompt_mask[rows], row_seeds=seeds[rows], **sampling)
         width = half.response_ids.shape[1]
         assert torch.equal(half.response_ids, whole.response_ids[rows, :width])
         assert torch.equal(half.response_mask, whole.response_mask[rows, :width])
         torch.testing.assert_close(half.logprobs, whole.logprobs[rows, :width], rtol=0, atol=1e-5)
-    again = engine.generate(query_ids, query_mask, row_seeds=seeds, **sampling)
+    again = engine.generate(prompt_ids, prompt_mask, row_seeds=seeds, **sampling)
     assert torch.equal(again.response_ids, whole.response_ids) and torch.equal(again.logprobs, whole.logprobs)
 
 
@@ -207,20 +208,20 @@ def test_a_quiet_engine_build_and_generate_print_nothing():
 @needs_vllm
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.3, 5, 0.9)])
 def test_logprobs_match_hf_forward(setup, temperature, top_k, top_p):
-    _, model, query_ids, query_mask, _ = setup
+    _, model, prompt_ids, prompt_mask, _ = setup
     ids, mask, logprobs = _generate(setup, [11, 12, 13, 14], temperature=temperature, top_k=top_k, top_p=top_p)
     with torch.no_grad():
-        expected = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=temperature)
+        expected = response_logprobs(model, prompt_ids, prompt_mask, ids, mask, temperature=temperature)
     assert (logprobs - expected).abs().max().item() < TOL
     if temperature != 1.0:  # the temperature is in the returned log-probs, not the raw ones
         with torch.no_grad():
-            raw = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=1.0)
+            raw = response_logprobs(model, prompt_ids, prompt_mask, ids, mask, temperature=1.0)
         assert (logprobs - raw).abs().max().item() > 1e-2
     if top_k:  # drawn from the top k, but log-probs before the truncation (not renormalised over k tokens)
         with torch.no_grad():
-            logits = model(torch.cat([query_ids, ids], 1),
-                           attention_mask=torch.cat([query_mask, mask], 1).long()).logits
-        logits = logits[:, query_ids.shape[1] - 1 : -1]
+            logits = model(torch.cat([prompt_ids, ids], 1),
+                           attention_mask=torch.cat([prompt_mask, mask], 1).long()).logits
+        logits = logits[:, prompt_ids.shape[1] - 1 : -1]
         kth = logits.topk(top_k, dim=-1).values[..., -1]
         assert (logits.gather(2, ids[..., None]).squeeze(2) >= kth)[mask].all()
         assert (logprobs.exp().sum(1) < mask.sum(1)).all()
@@ -228,11 +229,11 @@ def test_logprobs_match_hf_forward(setup, temperature, top_k, top_p):
 
 @needs_vllm
 def test_eos_and_padding_like_the_hf_engine(setup):
-    _, model, query_ids, query_mask, tokenizer = setup
+    _, model, prompt_ids, prompt_mask, tokenizer = setup
     ids, mask, _ = _generate(setup, [1, 2, 3, 4], eos_token_id=0)  # 0 is <pad>: never drawn by this model
     eos = int(ids[1, 3])  # row 1 draws this token at step 3 (or earlier): make it the EOS
     stopped, stopped_mask, logprobs = _generate(setup, [1, 2, 3, 4], eos_token_id=eos)
-    hf_ids, hf_mask, hf_logprobs = generate_responses(model, query_ids, query_mask, row_seeds=[1, 2, 3, 4],
+    hf_ids, hf_mask, hf_logprobs = generate_responses(model, prompt_ids, prompt_mask, row_seeds=[1, 2, 3, 4],
                                                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                                       return_logprobs=True, **SAMPLING)
     for response, response_mask, response_logprobs_ in ((stopped, stopped_mask, logprobs),
@@ -267,7 +268,7 @@ def test_leaves_the_global_rng_and_torch_threads_alone(setup):
 
 @needs_vllm
 def test_sync_weights_pushes_new_weights(setup):
-    engine, model, query_ids, query_mask, _ = setup
+    engine, model, prompt_ids, prompt_mask, _ = setup
     before, _, _ = _generate(setup, [1, 2, 3, 4])
     updated = copy.deepcopy(model)
     with torch.no_grad():
@@ -278,7 +279,7 @@ def test_sync_weights_pushes_new_weights(setup):
         ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
         assert not torch.equal(ids, before)
         with torch.no_grad():
-            expected = response_logprobs(updated, query_ids, query_mask, ids, mask, temperature=SAMPLING["temperature"])
+            expected = response_logprobs(updated, prompt_ids, prompt_mask, ids, mask, temperature=SAMPLING["temperature"])
         assert (logprobs - expected).abs().max().item() < TOL
     finally:
         engine.sync_weights(model)
@@ -289,7 +290,7 @@ def test_sync_weights_pushes_new_weights(setup):
 @needs_vllm
 def test_sync_weights_of_a_lora_model_sends_the_merged_weights(setup):
     """A peft policy: vLLM gets base + B @ A * scale under the base names; the adapters and base stay as they are."""
-    engine, model, query_ids, query_mask, _ = setup
+    engine, model, prompt_ids, prompt_mask, _ = setup
     peft_model = add_lora(copy.deepcopy(model), r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     with torch.no_grad():  # B starts at zero: move the adapters so that the merged model differs from the base
         for name, parameter in peft_model.named_parameters():
@@ -300,9 +301,9 @@ def test_sync_weights_of_a_lora_model_sends_the_merged_weights(setup):
     try:
         ids, mask, logprobs = _generate(setup, [1, 2, 3, 4])
         with torch.no_grad():
-            expected = response_logprobs(peft_model, query_ids, query_mask, ids, mask,
+            expected = response_logprobs(peft_model, prompt_ids, prompt_mask, ids, mask,
                                          temperature=SAMPLING["temperature"])
-            base = response_logprobs(model, query_ids, query_mask, ids, mask, temperature=SAMPLING["temperature"])
+            base = response_logprobs(model, prompt_ids, prompt_mask, ids, mask, temperature=SAMPLING["temperature"])
         assert (logprobs - expected).abs().max().item() < TOL
         assert (logprobs - base).abs().max().item() > 1e-2  # the adapters are in vLLM's weights
         after = peft_model.state_dict()

@@ -28,9 +28,9 @@ class CountingEngine(HFEngine):
         self.synced.append(id(policy))
         super().sync_weights(policy)
 
-    def generate(self, query_ids, query_mask, **sampling):
+    def generate(self, prompt_ids, prompt_mask, **sampling):
         self.calls.append(sampling)
-        return super().generate(query_ids, query_mask, **sampling)
+        return super().generate(prompt_ids, prompt_mask, **sampling)
 
     def close(self):
         self.closed += 1
@@ -75,8 +75,8 @@ class NoLogprobsEngine(HFEngine):
         NoLogprobsEngine.closed += 1
         super().close()
 
-    def generate(self, query_ids, query_mask, **sampling):
-        generation = super().generate(query_ids, query_mask, **sampling)
+    def generate(self, prompt_ids, prompt_mask, **sampling):
+        generation = super().generate(prompt_ids, prompt_mask, **sampling)
         assert isinstance(generation, Generation) and (generation.logprobs is not None) == sampling["return_logprobs"]
         return Generation(generation.response_ids, generation.response_mask)
 

@@ -13,7 +13,7 @@ import torch
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import macro_gae, mc_segment_advantages
 from marlhf.cli import build_parser
-from marlhf.continuations import PrefixContinuations, join_continuations, prefix_queries
+from marlhf.continuations import PrefixContinuations, join_continuations, prefixed_prompts
 from marlhf.engines import Generation
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators import AdvantageBatch, get_estimator
@@ -99,10 +99,10 @@ def test_mc_segment_advantages_matches_reference(seed, one_segment):
 
 
 def test_prefixes_and_full_responses():
-    query_ids, query_mask = torch.tensor([[0, 7, 8], [6, 7, 8]]), torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()
+    prompt_ids, prompt_mask = torch.tensor([[0, 7, 8], [6, 7, 8]]), torch.tensor([[0, 1, 1], [1, 1, 1]]).bool()
     response_ids = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 9]])
     rows, lengths = torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3])
-    ids, mask = prefix_queries(query_ids, query_mask, response_ids, rows, lengths, pad_token_id=0)
+    ids, mask = prefixed_prompts(prompt_ids, prompt_mask, response_ids, rows, lengths, pad_token_id=0)
     assert ids.tolist() == [[0, 0, 7, 8, 1, 2], [0, 0, 0, 6, 7, 8], [6, 7, 8, 4, 5, 6]]
     assert mask.tolist() == [[False, False, True, True, True, True], [False, False, False, True, True, True],
                              [True] * 6]
@@ -125,9 +125,9 @@ class MarkovEngine:
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
 
-    def generate(self, query_ids, query_mask, *, row_seeds, max_new_tokens, **sampling) -> Generation:
+    def generate(self, prompt_ids, prompt_mask, *, row_seeds, max_new_tokens, **sampling) -> Generation:
         self.calls.append(list(row_seeds))
-        previous = query_ids[:, -1]
+        previous = prompt_ids[:, -1]
         uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed),
                                            dtype=torch.float64) for seed in row_seeds])
         tokens = []
@@ -153,15 +153,15 @@ RESPONSES = torch.tensor([[HIT, HIT, MISS, HIT, MISS, MISS], [MISS, HIT, HIT, HI
 
 
 def _continuations(engine: MarkovEngine, run_seed: int) -> PrefixContinuations:
-    query_ids = torch.full((3, 2), PROMPT)
+    prompt_ids = torch.full((3, 2), PROMPT)
 
-    def score(rows, query_ids, query_mask, response_ids, response_mask):
+    def score(rows, prompt_ids, prompt_mask, response_ids, response_mask):
         return ((response_ids == HIT) & response_mask).sum(1).double()
 
     def generate(ids, mask, seeds, max_new_tokens):
         return engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens)
 
-    return PrefixContinuations(query_ids, torch.ones_like(query_ids, dtype=torch.bool), RESPONSES, generate, score,
+    return PrefixContinuations(prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool), RESPONSES, generate, score,
                                lambda row, length, sample: ppo._seed(run_seed, row, length + 1, sample), LENGTH, 0)
 
 
@@ -246,9 +246,9 @@ def test_two_ppo_steps_one_engine_call_each_reproducible(tmp_path, make_tiny_cau
     calls = []
     real_generate = HFEngine.generate
 
-    def counting_generate(self, query_ids, query_mask, **sampling):
+    def counting_generate(self, prompt_ids, prompt_mask, **sampling):
         calls.append(list(sampling["row_seeds"]))
-        return real_generate(self, query_ids, query_mask, **sampling)
+        return real_generate(self, prompt_ids, prompt_mask, **sampling)
 
     monkeypatch.setattr(HFEngine, "generate", counting_generate)
     args = build_parser("ppo").parse_args(["ppo", "--advantage", "mc_segment", "--advantage_options",

@@ -5,9 +5,10 @@ import time
 import pytest
 import torch
 
+from marlhf.data.encoding import pad_sequences
 from marlhf.errors import MarlhfError
 from marlhf.modeling import (ScalarHeadModel, check_model_path, last_token_index, load_causal_lm, load_tokenizer,
-                             pad_sequences, position_ids_from_mask, sequence_logprobs, token_logprobs)
+                             position_ids_from_mask, sequence_logprobs, token_logprobs)
 from tests.hub_cache import put_in_hub_cache
 
 

@@ -186,9 +186,9 @@ class CounterHashEngine:
         self.policy = policy
         EVENTS.append("sync")
 
-    def generate(self, query_ids, query_mask, **sampling):
+    def generate(self, prompt_ids, prompt_mask, **sampling):
         EVENTS.append("generate")
-        return Generation(*generate_responses(self.policy, query_ids, query_mask, sampling_noise="counter_hash",
+        return Generation(*generate_responses(self.policy, prompt_ids, prompt_mask, sampling_noise="counter_hash",
                                               **sampling))
 
     def close(self):

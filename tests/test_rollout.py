@@ -7,10 +7,11 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from marlhf.modeling import ScalarHeadModel, pad_sequences
+from marlhf.data.encoding import pad_sequences
+from marlhf.modeling import ScalarHeadModel
 from marlhf.engines.base import response_mask_from_ids
 from marlhf.engines.hf import CounterGumbelNoise, RowGumbelNoise, counter_uniforms, generate_responses, mix32
-from marlhf.rollout import (decode_responses, forward_in_chunks, length_sorted_chunks, response_logprobs,
+from marlhf.rollout import (decode_responses, forward_in_pieces, length_sorted_pieces, response_logprobs,
                             response_values, row_lengths, score_responses, trim_padding)
 
 PAD, EOS = 0, 2
@@ -40,16 +41,16 @@ def test_response_mask_keeps_first_eos_and_masks_the_rest():
     assert response_mask_from_ids(ids, [9, 3])[1].tolist() == [True, True, True, True]
 
 
-def _sample(policy, query_ids, query_mask, seeds, **overrides):
+def _sample(policy, prompt_ids, prompt_mask, seeds, **overrides):
     kwargs = dict(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=EOS, pad_token_id=PAD)
     kwargs.update(overrides)
-    return generate_responses(policy, query_ids, query_mask, row_seeds=seeds, **kwargs)
+    return generate_responses(policy, prompt_ids, prompt_mask, row_seeds=seeds, **kwargs)
 
 
 def test_generate_responses_shapes_masks_and_eos():
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
-    response_ids, response_mask = _sample(policy, query_ids, query_mask, range(10))
+    prompt_ids, prompt_mask = _prompts()
+    response_ids, response_mask = _sample(policy, prompt_ids, prompt_mask, range(10))
     assert response_ids.shape == response_mask.shape and response_ids.shape[0] == 10
     assert response_ids.shape[1] <= 12 and response_mask.dtype == torch.bool
     lengths = response_mask.sum(1)
@@ -63,34 +64,34 @@ def test_generate_responses_shapes_masks_and_eos():
     for row in range(10):  # no EOS before the last real token
         assert EOS not in response_ids[row, : lengths[row] - 1].tolist()
     with pytest.raises(ValueError, match="row_seeds"):
-        _sample(policy, query_ids, query_mask, range(3))
+        _sample(policy, prompt_ids, prompt_mask, range(3))
 
 
 @pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])
 def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
+    prompt_ids, prompt_mask = _prompts()
     seeds = [100 + row for row in range(10)]
     sampling = dict(temperature=0.8, top_k=5, top_p=0.9, sampling_noise=noise)
-    batch_ids, batch_mask = _sample(policy, query_ids, query_mask, seeds, **sampling)
-    again = _sample(policy, query_ids, query_mask, seeds, **sampling)
+    batch_ids, batch_mask = _sample(policy, prompt_ids, prompt_mask, seeds, **sampling)
+    again = _sample(policy, prompt_ids, prompt_mask, seeds, **sampling)
     assert torch.equal(again[0], batch_ids)
     for row in (0, 1, 7):
-        alone_ids, alone_mask = _sample(policy, query_ids[row : row + 1, query_mask[row]], query_mask[row : row + 1,
-                                        query_mask[row]], seeds[row : row + 1], **sampling)
+        alone_ids, alone_mask = _sample(policy, prompt_ids[row : row + 1, prompt_mask[row]], prompt_mask[row : row + 1,
+                                        prompt_mask[row]], seeds[row : row + 1], **sampling)
         assert alone_ids[0, : alone_mask.sum()].tolist() == batch_ids[row, : batch_mask[row].sum()].tolist()
     order = [9, 3, 0, 7, 1, 2, 8, 4, 6, 5]  # another batch composition: the rows shuffled
-    shuffled_ids, shuffled_mask = _sample(policy, query_ids[order], query_mask[order], [seeds[r] for r in order],
+    shuffled_ids, shuffled_mask = _sample(policy, prompt_ids[order], prompt_mask[order], [seeds[r] for r in order],
                                           **sampling)
     for position, row in enumerate(order):
         assert (shuffled_ids[position, : shuffled_mask[position].sum()].tolist()
                 == batch_ids[row, : batch_mask[row].sum()].tolist())
-    other_ids, _ = _sample(policy, query_ids, query_mask, [s + 1 for s in seeds], sampling_noise=noise)
+    other_ids, _ = _sample(policy, prompt_ids, prompt_mask, [s + 1 for s in seeds], sampling_noise=noise)
     assert not torch.equal(other_ids, batch_ids)
     torch.manual_seed(3)  # without row seeds, they come from torch's global RNG
-    first = _sample(policy, query_ids, query_mask, None, sampling_noise=noise)
+    first = _sample(policy, prompt_ids, prompt_mask, None, sampling_noise=noise)
     torch.manual_seed(3)
-    assert torch.equal(_sample(policy, query_ids, query_mask, None, sampling_noise=noise)[0], first[0])
+    assert torch.equal(_sample(policy, prompt_ids, prompt_mask, None, sampling_noise=noise)[0], first[0])
 
 
 @pytest.mark.parametrize("noise, kv_cache", [
@@ -99,29 +100,29 @@ def test_a_row_samples_the_same_response_alone_or_in_any_batch(noise):
         shutil.which("g++") is None, reason="torch.compile on a CPU needs a C++ compiler (g++)"))])
 def test_a_static_kv_cache_samples_the_same_tokens_and_logprobs(noise, kv_cache):
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
-    dynamic = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True)
+    prompt_ids, prompt_mask = _prompts()
+    dynamic = _sample(policy, prompt_ids, prompt_mask, range(10), sampling_noise=noise, return_logprobs=True)
     torch._dynamo.utils.counters.clear()
-    static = _sample(policy, query_ids, query_mask, range(10), sampling_noise=noise, return_logprobs=True,
+    static = _sample(policy, prompt_ids, prompt_mask, range(10), sampling_noise=noise, return_logprobs=True,
                      kv_cache=kv_cache)
     compiled_frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert (compiled_frames > 0) == (kv_cache == "static_compiled")  # compiled exactly when asked
     assert torch.equal(static[0], dynamic[0]) and torch.equal(static[1], dynamic[1])
     torch.testing.assert_close(static[2], dynamic[2], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="kv_cache"):
-        _sample(policy, query_ids, query_mask, range(10), kv_cache="paged")
+        _sample(policy, prompt_ids, prompt_mask, range(10), kv_cache="paged")
 
 
 def test_the_two_noise_sources_sample_differently():
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
-    by_generators = _sample(policy, query_ids, query_mask, range(10), sampling_noise="row_generators")[0]
-    assert not torch.equal(_sample(policy, query_ids, query_mask, range(10), sampling_noise="counter_hash")[0],
+    prompt_ids, prompt_mask = _prompts()
+    by_generators = _sample(policy, prompt_ids, prompt_mask, range(10), sampling_noise="row_generators")[0]
+    assert not torch.equal(_sample(policy, prompt_ids, prompt_mask, range(10), sampling_noise="counter_hash")[0],
                            by_generators)
     with pytest.raises(ValueError, match="sampling_noise"):
-        _sample(policy, query_ids, query_mask, range(10), sampling_noise="philox")
+        _sample(policy, prompt_ids, prompt_mask, range(10), sampling_noise="philox")
     with pytest.raises(ValueError, match="2\\^32"):
-        _sample(policy, query_ids, query_mask, [-1] * 10, sampling_noise="counter_hash")
+        _sample(policy, prompt_ids, prompt_mask, [-1] * 10, sampling_noise="counter_hash")
 
 
 def _lowbias32(x: int) -> int:
@@ -197,11 +198,11 @@ def test_samples_follow_softmax_of_scaled_logits_with_top_k():
     over the top-k tokens: first-token frequencies over many seeds."""
     policy = _eight_token_lm()
     num_samples = 4000
-    query_ids = torch.tensor([[1, 5, 6]]).expand(num_samples, 3)
-    query_mask = torch.ones_like(query_ids, dtype=torch.bool)
-    logits = policy(input_ids=query_ids[:1]).logits[0, -1]
+    prompt_ids = torch.tensor([[1, 5, 6]]).expand(num_samples, 3)
+    prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
+    logits = policy(input_ids=prompt_ids[:1]).logits[0, -1]
     for temperature, top_k in ((0.7, 0), (1.0, 3)):
-        first, _ = _sample(policy, query_ids, query_mask, range(num_samples), max_new_tokens=1,
+        first, _ = _sample(policy, prompt_ids, prompt_mask, range(num_samples), max_new_tokens=1,
                            temperature=temperature, top_k=top_k)
         scaled = logits / temperature
         if top_k:
@@ -214,34 +215,34 @@ def test_samples_follow_softmax_of_scaled_logits_with_top_k():
 
 def test_top_k_one_is_greedy():
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
-    greedy, _ = _sample(policy, query_ids, query_mask, range(10), max_new_tokens=6, temperature=0.8, top_k=1)
-    logits = policy(input_ids=query_ids, attention_mask=query_mask.long(),
-                    position_ids=(query_mask.long().cumsum(1) - 1).clamp(min=0)).logits[:, -1]
+    prompt_ids, prompt_mask = _prompts()
+    greedy, _ = _sample(policy, prompt_ids, prompt_mask, range(10), max_new_tokens=6, temperature=0.8, top_k=1)
+    logits = policy(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                    position_ids=(prompt_mask.long().cumsum(1) - 1).clamp(min=0)).logits[:, -1]
     assert torch.equal(greedy[:, 0], logits.argmax(-1))
     with pytest.raises(ValueError, match="top_p"):
-        _sample(policy, query_ids, query_mask, range(10), top_p=0.0)
+        _sample(policy, prompt_ids, prompt_mask, range(10), top_p=0.0)
 
 
-def _unpadded(query_ids, query_mask, response_ids, response_mask, row):
-    prompt = query_ids[row][query_mask[row]]
+def _unpadded(prompt_ids, prompt_mask, response_ids, response_mask, row):
+    prompt = prompt_ids[row][prompt_mask[row]]
     response = response_ids[row][response_mask[row]]
     return prompt, response
 
 
 def test_logprobs_values_and_scores_match_unpadded_forward():
-    """Batched, padded, chunked results equal a plain full log_softmax / forward on each row alone."""
+    """Batched, padded, pieced results equal a plain full log_softmax / forward on each row alone."""
     policy, other = _eight_token_lm(0), _eight_token_lm(1)
     torch.manual_seed(0)
     critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
-    query_ids, query_mask = _prompts()
-    response_ids, response_mask = _sample(policy, query_ids, query_mask, range(10), max_new_tokens=9)
+    prompt_ids, prompt_mask = _prompts()
+    response_ids, response_mask = _sample(policy, prompt_ids, prompt_mask, range(10), max_new_tokens=9)
     temperature = 0.7
     with torch.no_grad():
-        rollout = score_responses(query_ids, query_mask, response_ids, response_mask, policy=policy, ref=other,
+        rollout = score_responses(prompt_ids, prompt_mask, response_ids, response_mask, policy=policy, ref=other,
                                   temperature=temperature, critic=critic, reward_model=critic)
-        for row in range(query_ids.shape[0]):
-            prompt, response = _unpadded(query_ids, query_mask, response_ids, response_mask, row)
+        for row in range(prompt_ids.shape[0]):
+            prompt, response = _unpadded(prompt_ids, prompt_mask, response_ids, response_mask, row)
             sequence = torch.cat([prompt, response])[None]
             start, length = len(prompt) - 1, len(response)
             for model, got in ((policy, rollout.logprobs), (other, rollout.ref_logprobs)):
@@ -254,20 +255,20 @@ def test_logprobs_values_and_scores_match_unpadded_forward():
             assert (rollout.values[row, length:] == 0).all()
             torch.testing.assert_close(rollout.scores[row], values[-1])  # last real token of prompt + response
     assert rollout.logprobs.shape == rollout.values.shape == response_mask.shape
-    assert rollout.scores.shape == (query_ids.shape[0],)
+    assert rollout.scores.shape == (prompt_ids.shape[0],)
     assert (rollout.logprobs[response_mask] < 0).all()
     # the same helpers with gradients (the PPO update)
-    grads = response_logprobs(policy, query_ids, query_mask, response_ids, response_mask, temperature)
+    grads = response_logprobs(policy, prompt_ids, prompt_mask, response_ids, response_mask, temperature)
     assert grads.requires_grad
     torch.testing.assert_close(grads.detach(), rollout.logprobs)
-    assert response_values(critic, query_ids, query_mask, response_ids, response_mask).requires_grad
+    assert response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask).requires_grad
 
 
 def test_given_logprobs_and_values_replace_those_forwards():
     policy, other = _eight_token_lm(0), _eight_token_lm(1)
     critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
-    query_ids, query_mask = _prompts()
-    batch = (query_ids, query_mask, *_sample(policy, query_ids, query_mask, range(10), max_new_tokens=5))
+    prompt_ids, prompt_mask = _prompts()
+    batch = (prompt_ids, prompt_mask, *_sample(policy, prompt_ids, prompt_mask, range(10), max_new_tokens=5))
     computed = score_responses(*batch, policy=policy, ref=other, temperature=0.9, critic=critic, reward_model=critic)
     logprobs = response_logprobs(policy, *batch, temperature=0.9)  # with gradients, as PPO keeps them
     values = response_values(critic, *batch)
@@ -292,7 +293,7 @@ def test_given_logprobs_and_values_replace_those_forwards():
 def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make_tiny_causal_lm):
     policy = make_tiny_causal_lm().eval()
     prompts = ["Human: hi\n\nAssistant:", "The quick brown fox"]
-    query_ids, query_mask = pad_sequences([tiny_tokenizer(p)["input_ids"] for p in prompts],
+    prompt_ids, prompt_mask = pad_sequences([tiny_tokenizer(p)["input_ids"] for p in prompts],
                                           tiny_tokenizer.pad_token_id, "left")
     response_texts = [" jumps over", " the lazy dog."]
     rows = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
@@ -304,7 +305,7 @@ def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make
         seen.append((batch_prompts, responses))
         return [float(len(r)) for r in responses]
 
-    rollout = score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy,
+    rollout = score_responses(prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool(), policy=policy,
                               ref=policy, temperature=1.0, reward_fn=reward_fn, prompts=prompts,
                               tokenizer=tiny_tokenizer)
     assert seen == [(prompts, response_texts)]
@@ -312,25 +313,25 @@ def test_reward_function_gets_prompts_and_decoded_responses(tiny_tokenizer, make
     assert rollout.scores.tolist() == [11.0, 14.0] and rollout.values is None
     torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
     with pytest.raises(ValueError, match="exactly one"):
-        score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
+        score_responses(prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
                         temperature=1.0)
     with pytest.raises(ValueError, match="scores for 2 responses"):
-        score_responses(query_ids, query_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
+        score_responses(prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool(), policy=policy, ref=policy,
                         temperature=1.0, reward_fn=lambda p, r: [1.0], prompts=prompts, tokenizer=tiny_tokenizer)
 
 
 def test_trim_padding_cuts_the_columns_every_row_pads():
-    query_ids = torch.tensor([[0, 0, 0, 5, 6], [0, 0, 4, 4, 4]])
-    query_mask = query_ids != 0
+    prompt_ids = torch.tensor([[0, 0, 0, 5, 6], [0, 0, 4, 4, 4]])
+    prompt_mask = prompt_ids != 0
     response_ids = torch.tensor([[7, 2, 0, 0], [7, 7, 7, 0]])
     response_mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
-    assert row_lengths(query_mask, response_mask) == ([2, 3], [2, 3])
-    q_ids, q_mask, r_ids, r_mask = trim_padding(query_ids, query_mask, response_ids, response_mask, [2, 3], [2, 3])
+    assert row_lengths(prompt_mask, response_mask) == ([2, 3], [2, 3])
+    q_ids, q_mask, r_ids, r_mask = trim_padding(prompt_ids, prompt_mask, response_ids, response_mask, [2, 3], [2, 3])
     assert q_ids.tolist() == [[0, 5, 6], [4, 4, 4]] and q_mask.tolist() == [[False, True, True], [True] * 3]
     assert r_ids.tolist() == [[7, 2, 0], [7, 7, 7]] and r_mask.tolist() == [[True, True, False], [True] * 3]
-    empty = trim_padding(query_ids, query_mask, response_ids, torch.zeros_like(response_mask), [2, 3], [0, 0])
+    empty = trim_padding(prompt_ids, prompt_mask, response_ids, torch.zeros_like(response_mask), [2, 3], [0, 0])
     assert empty[2].shape == (2, 1)  # one response column stays, so a forward still has a token to score
-    assert trim_padding(query_ids[:, 2:], query_mask[:, 2:], response_ids[:, :3], response_mask[:, :3],
+    assert trim_padding(prompt_ids[:, 2:], prompt_mask[:, 2:], response_ids[:, :3], response_mask[:, :3],
                         [2, 3], [2, 3])[0].shape[1] == 3
 
 
@@ -339,42 +340,42 @@ def test_trim_padding_equals_the_columns_the_masks_use():
     generator = torch.Generator().manual_seed(5)
     for _ in range(50):
         rows = int(torch.randint(1, 6, (1,), generator=generator))
-        query_mask = torch.arange(7) >= torch.randint(0, 8, (rows, 1), generator=generator)
+        prompt_mask = torch.arange(7) >= torch.randint(0, 8, (rows, 1), generator=generator)
         response_mask = torch.arange(6) < torch.randint(0, 7, (rows, 1), generator=generator)
-        batch = (torch.randint(0, 9, (rows, 7), generator=generator), query_mask,
+        batch = (torch.randint(0, 9, (rows, 7), generator=generator), prompt_mask,
                  torch.randint(0, 9, (rows, 6), generator=generator), response_mask)
-        first = int(query_mask.any(0).long().argmax()) if query_mask.any() else 7
+        first = int(prompt_mask.any(0).long().argmax()) if prompt_mask.any() else 7
         width = max(int(response_mask.any(0).sum()), 1)
-        expected = (batch[0][:, first:], query_mask[:, first:], batch[2][:, :width], response_mask[:, :width])
-        for got, want in zip(trim_padding(*batch, *row_lengths(query_mask, response_mask)), expected):
+        expected = (batch[0][:, first:], prompt_mask[:, first:], batch[2][:, :width], response_mask[:, :width])
+        for got, want in zip(trim_padding(*batch, *row_lengths(prompt_mask, response_mask)), expected):
             assert torch.equal(got, want)
 
 
-def test_length_sorted_chunks_cover_every_row_once():
+def test_length_sorted_pieces_cover_every_row_once():
     generator = torch.Generator().manual_seed(0)
-    query_mask = torch.arange(9) >= torch.randint(0, 9, (11, 1), generator=generator)
+    prompt_mask = torch.arange(9) >= torch.randint(0, 9, (11, 1), generator=generator)
     response_mask = torch.arange(7) < torch.randint(0, 8, (11, 1), generator=generator)
-    lengths = query_mask.sum(1) + response_mask.sum(1)
+    lengths = prompt_mask.sum(1) + response_mask.sum(1)
     expected = lengths.argsort(descending=True, stable=True).tolist()  # longest first, ties in row order
-    for chunk_size in (1, 3, 11, 50):
-        chunks = length_sorted_chunks(*row_lengths(query_mask, response_mask), chunk_size)
-        assert [row for chunk in chunks for row in chunk] == expected
-        assert all(len(c) <= chunk_size for c in chunks) and len(chunks) == -(-11 // chunk_size)
-    with pytest.raises(ValueError, match="chunk_size"):
-        length_sorted_chunks([1], [1], 0)
+    for piece_size in (1, 3, 11, 50):
+        pieces = length_sorted_pieces(*row_lengths(prompt_mask, response_mask), piece_size)
+        assert [row for piece in pieces for row in piece] == expected
+        assert all(len(c) <= piece_size for c in pieces) and len(pieces) == -(-11 // piece_size)
+    with pytest.raises(ValueError, match="piece_size"):
+        length_sorted_pieces([1], [1], 0)
 
 
-@pytest.mark.parametrize("chunk_size", [None, 1, 3, 10])
-def test_forward_in_chunks_equals_one_padded_forward(chunk_size):
-    """Length-sorted, trimmed chunks give what one forward over the whole padded batch gives, in row order,
+@pytest.mark.parametrize("piece_size", [None, 1, 3, 10])
+def test_forward_in_pieces_equals_one_padded_forward(piece_size):
+    """Length-sorted, trimmed pieces give what one forward over the whole padded batch gives, in row order,
     for per-token and per-row outputs, with gradients."""
     policy = _eight_token_lm(0)
     critic = ScalarHeadModel(_eight_token_lm(2).model).eval()
     generator = torch.Generator().manual_seed(1)
     prompts = [[1] + torch.randint(3, 8, (int(n),), generator=generator).tolist()
                for n in torch.randint(0, 20, (10,), generator=generator)]
-    query_ids, query_mask = pad_sequences(prompts, PAD, "left")
-    batch = (query_ids, query_mask.bool(), *_sample(policy, query_ids, query_mask.bool(), range(10)))
+    prompt_ids, prompt_mask = pad_sequences(prompts, PAD, "left")
+    batch = (prompt_ids, prompt_mask.bool(), *_sample(policy, prompt_ids, prompt_mask.bool(), range(10)))
     assert batch[3].sum(1).unique().numel() > 2  # ragged responses too
 
     def logprobs(*rows):
@@ -384,12 +385,12 @@ def test_forward_in_chunks_equals_one_padded_forward(chunk_size):
         return critic.score(torch.cat(rows[0::2], 1), torch.cat(rows[1::2], 1).long())
 
     for forward in (logprobs, lambda *rows: response_values(critic, *rows), scores):
-        chunked = forward_in_chunks(forward, *batch, chunk_size=chunk_size)
+        pieced = forward_in_pieces(forward, *batch, piece_size=piece_size)
         whole = forward(*batch)
-        assert chunked.shape == whole.shape
-        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
-    chunked = forward_in_chunks(logprobs, *batch, chunk_size=chunk_size)
-    chunked.sum().backward()
+        assert pieced.shape == whole.shape
+        torch.testing.assert_close(pieced, whole, atol=1e-5, rtol=1e-5)
+    pieced = forward_in_pieces(logprobs, *batch, piece_size=piece_size)
+    pieced.sum().backward()
     expected = torch.autograd.grad(logprobs(*batch).sum(), policy.lm_head.weight)[0]
     torch.testing.assert_close(policy.lm_head.weight.grad, expected, atol=1e-5, rtol=1e-5)
 
@@ -397,13 +398,13 @@ def test_forward_in_chunks_equals_one_padded_forward(chunk_size):
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 0.9)])
 def test_sampling_pass_logprobs_equal_a_full_forward(top_k, top_p):
     policy = _eight_token_lm()
-    query_ids, query_mask = _prompts()
-    response_ids, response_mask, logprobs = _sample(policy, query_ids, query_mask, range(10), temperature=0.7,
+    prompt_ids, prompt_mask = _prompts()
+    response_ids, response_mask, logprobs = _sample(policy, prompt_ids, prompt_mask, range(10), temperature=0.7,
                                                     top_k=top_k, top_p=top_p, return_logprobs=True)
-    again, _ = _sample(policy, query_ids, query_mask, range(10), temperature=0.7, top_k=top_k, top_p=top_p)
+    again, _ = _sample(policy, prompt_ids, prompt_mask, range(10), temperature=0.7, top_k=top_k, top_p=top_p)
     assert torch.equal(again, response_ids)  # recording changes nothing about the draw
     assert (~response_mask).any(), "the seeds should give rows that end early"
     with torch.no_grad():
-        expected = response_logprobs(policy, query_ids, query_mask, response_ids, response_mask, 0.7)
+        expected = response_logprobs(policy, prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
     assert (logprobs[~response_mask] == 0).all()

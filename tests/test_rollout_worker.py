@@ -16,7 +16,7 @@ import torch
 from marlhf.engines import HFEngine, HFOptions
 from marlhf.engines.worker import RolloutWorker, WorkerSpec
 from marlhf.errors import MarlhfError
-from marlhf.modeling import pad_sequences
+from marlhf.data.encoding import pad_sequences
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = dict(max_new_tokens=6, temperature=0.8, top_k=0, top_p=1.0, eos_token_id=2, pad_token_id=0,
@@ -47,8 +47,8 @@ class FailingEngine(HangingEngine):
 def _prompts(tokenizer, n: int = 4):
     ids = [tokenizer(f"Human: tell me about {word}\n\nAssistant:").input_ids
            for word in ("cats", "tea", "maps", "rain")[:n]]
-    query_ids, query_mask = pad_sequences(ids, tokenizer.pad_token_id, "left")
-    return query_ids, query_mask.bool()
+    prompt_ids, prompt_mask = pad_sequences(ids, tokenizer.pad_token_id, "left")
+    return prompt_ids, prompt_mask.bool()
 
 
 def _gone(pid: int, within: float) -> bool:
@@ -69,22 +69,22 @@ def _gone(pid: int, within: float) -> bool:
 
 def test_worker_samples_what_the_engine_samples_in_process_and_stops(tmp_path, make_tiny_causal_lm, tiny_tokenizer):
     policy = make_tiny_causal_lm().eval()
-    query_ids, query_mask = _prompts(tiny_tokenizer)
+    prompt_ids, prompt_mask = _prompts(tiny_tokenizer)
     seeds = [11, 12, 13, 14]
     engine = HFEngine()
     engine.sync_weights(policy)
-    expected = engine.generate(query_ids, query_mask, row_seeds=seeds, **SAMPLING)
+    expected = engine.generate(prompt_ids, prompt_mask, row_seeds=seeds, **SAMPLING)
 
     log = tmp_path / "rollout_worker_0.log"
     worker = RolloutWorker(WorkerSpec("hf", HFOptions(), max_length=64, threads=1, log_path=str(log), timeout=120))
     try:
         worker.send_weights(policy)
-        worker.submit(0, query_ids, query_mask, row_seeds=seeds, **SAMPLING)
+        worker.submit(0, prompt_ids, prompt_mask, row_seeds=seeds, **SAMPLING)
         with torch.no_grad():  # new weights: the next request is sampled with them, the first one was not
             for parameter in policy.parameters():
                 parameter.mul_(1.5)
         worker.send_weights(policy)
-        worker.submit(1, query_ids, query_mask, row_seeds=seeds, **SAMPLING)
+        worker.submit(1, prompt_ids, prompt_mask, row_seeds=seeds, **SAMPLING)
         second, _, _ = worker.result(1)  # out of order: the first is kept until asked for
         first, seconds, tokens = worker.result(0)
     finally:
@@ -94,7 +94,7 @@ def test_worker_samples_what_the_engine_samples_in_process_and_stops(tmp_path, m
     torch.testing.assert_close(first.logprobs, expected.logprobs)
     assert seconds > 0 and tokens == int(expected.response_mask.sum())
     engine.sync_weights(policy)
-    assert torch.equal(second.response_ids, engine.generate(query_ids, query_mask, row_seeds=seeds,
+    assert torch.equal(second.response_ids, engine.generate(prompt_ids, prompt_mask, row_seeds=seeds,
                                                             **SAMPLING).response_ids)
     assert not worker.process.is_alive() and worker.process.exitcode == 0
     assert "rollout worker 0: pid" in log.read_text()
@@ -108,10 +108,10 @@ def test_a_dead_hung_or_failing_worker_stops_the_trainer_within_the_timeout(faul
     log = tmp_path / "rollout_worker_3.log"
     timeout = 3.0 if fault == "hung" else 60.0  # the others must not time out while the worker starts
     worker = RolloutWorker(WorkerSpec(engine, log_path=str(log), index=3, timeout=timeout))
-    query_ids, query_mask = _prompts(tiny_tokenizer, 2)
+    prompt_ids, prompt_mask = _prompts(tiny_tokenizer, 2)
     try:
         worker.send_weights(make_tiny_causal_lm())
-        worker.submit(0, query_ids, query_mask, row_seeds=[1, 2], **SAMPLING)
+        worker.submit(0, prompt_ids, prompt_mask, row_seeds=[1, 2], **SAMPLING)
         if fault == "killed":
             time.sleep(0.5)
             os.kill(worker.process.pid, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """Records to token ids, one way for every stage that reads prompt + response text (SFT, reward modelling,
 DPO, evaluation):
 
+    pad_sequences(token-id lists, pad_token_id, padding_side) -> (input_ids [B, T], attention_mask [B, T] long)
     prompt_token_ids(tokenizer, prompt, max_prompt_length)  # the last max_prompt_length tokens, leading <bos> kept
     encode_prompt_response(tokenizer, prompt, response, max_prompt_length, max_length) -> (token ids, prompt length)
     collate_prompt_response(examples, pad_token_id, device) -> {"input_ids", "attention_mask", "response_mask"}
@@ -14,9 +15,24 @@ from typing import Any
 
 import torch
 
-from marlhf.modeling import pad_sequences
-
 Pair = tuple[tuple[list[int], int], tuple[list[int], int]]
+
+
+def pad_sequences(sequences: list[list[int]], pad_token_id: int,
+                  padding_side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences padded to the longest with pad_token_id, on the right or the left, and their attention mask."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if not sequences or min(len(s) for s in sequences) == 0:
+        raise ValueError("pad_sequences needs at least one sequence and no empty sequence")
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        span = slice(0, len(sequence)) if padding_side == "right" else slice(length - len(sequence), length)
+        input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, span] = 1
+    return input_ids, attention_mask
 
 
 def prompt_token_ids(tokenizer, prompt: str, max_prompt_length: int) -> list[int]:

@@ -1,7 +1,7 @@
 """`load_records`: the one entry point from a dataset name to a list of stage records.
 
 ``datasets.load_dataset`` (in `load_hub_split`) is the only place that touches the network, after a lookup of the
-dataset on the Hub bounded by MARLHF_HUB_TIMEOUT (`marlhf.modeling.hub_lookup`).
+dataset on the Hub bounded by MARLHF_HUB_TIMEOUT (`marlhf.hub.hub_lookup`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from marlhf.data.records import check_stage, check_stage_records, is_local_path,
 from marlhf.data.splits import split_indices
 from marlhf.data.tasks import TASKS_BY_HUB_ID, SkipRow, Task, check_record_options, get_task
 from marlhf.errors import MarlhfError
+from marlhf.hub import HUB_TIMEOUT_VARIABLE, hub_lookup, hub_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def load_hub_split(task: Task, split: str) -> Any:
                 raise
             from huggingface_hub import constants
 
-            from marlhf.modeling import HUB_TIMEOUT_VARIABLE, hub_timeout
-
             datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = False  # as it was: only a cache hit stays
             raise MarlhfError(
                 f"{task.hub_id} ({_described(task)}) split {split!r} is not in the local Hugging Face cache, and the "
@@ -82,8 +81,6 @@ def offline_unless_the_hub_answers(task: Task) -> str | None:
     local cache instead of waiting for the Hub once per request. Offline, both libraries' switches are set."""
     import datasets
     from huggingface_hub import constants
-
-    from marlhf.modeling import hub_lookup, hub_timeout
 
     if Path(task.hub_id).is_dir():  # a local copy of the repo, which load_dataset reads as it is
         return None

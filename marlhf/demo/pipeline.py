@@ -49,23 +49,30 @@ def max_response_tokens(num_words: int) -> int:
 
 class RewardWithGold:
     """`reward_fn` for train_ppo: returns the reward model's scores (`gold_scale` None) or the gold reward times
-    `gold_scale`, and keeps, per call (one call per PPO step), the mean gold and reward-model reward of the
-    responses."""
+    `gold_scale`, and keeps, per PPO step, the mean gold and reward-model reward of the step's responses: of its
+    first call in the step, the rollout's (Monte-Carlo continuations are scored by later calls); `end_step()` after
+    each step."""
 
     def __init__(self, reward_model: ScalarHeadModel, tokenizer, task: SyntheticTask,
                  gold_scale: float | None = None) -> None:
         self.reward_model, self.tokenizer, self.task, self.gold_scale = reward_model, tokenizer, task, gold_scale
         self.max_response_tokens = max_response_tokens(task.config.num_words)
         self.rows: list[dict[str, float]] = []
+        self.in_step = False  # the step's rollout has been scored
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         scores = reward_model_scores(self.reward_model, self.tokenizer, prompts, responses,
                                      batch_size=len(prompts), max_prompt_length=MAX_PROMPT_TOKENS,
                                      max_length=MAX_PROMPT_TOKENS + self.max_response_tokens + 1)
         gold = self.task.gold_rewards(prompts, responses)
-        self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
-                          "rm_reward": sum(scores) / len(scores)})
+        if not self.in_step:
+            self.rows.append({"step": len(self.rows) + 1, "gold_reward": sum(gold) / len(gold),
+                              "rm_reward": sum(scores) / len(scores)})
+            self.in_step = True
         return scores if self.gold_scale is None else [self.gold_scale * g for g in gold]
+
+    def end_step(self, *_) -> None:
+        self.in_step = False
 
 
 @torch.no_grad()
@@ -207,9 +214,10 @@ def load_models(config: DemoConfig, models_dir: Path) -> DemoModels:
 
 
 def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], seed: int, run_dir: Path,
-               rl_prompts: list[dict], eval_prompts: list[str], method: str) -> dict[str, float]:
+               rl_prompts: list[dict], eval_prompts: list[str], method: str, after_step=None) -> dict[str, float]:
     """One PPO run (`options`: PPOConfig options of the method) into RUN_DIR, then its held-out evaluation.
-    Writes metrics.jsonl, config.yaml, gold.jsonl and eval_samples.jsonl; returns the held-out metrics."""
+    Writes metrics.jsonl, config.yaml, gold.jsonl and eval_samples.jsonl; returns the held-out metrics.
+    `after_step`: train_ppo's hook after each step (evaluations during training)."""
     reward_fn = RewardWithGold(models.reward_model, models.tokenizer, models.task,
                                config.gold_reward_scale if config.reward == "gold" else None)
     # Responses per step are the same for every method: groups of k samples take ppo_batch_size / k prompts.
@@ -226,7 +234,12 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
         max_length=MAX_PROMPT_TOKENS + response_tokens,
         **{"lam": config.lam, "value_weighting": config.value_weighting,
            "segment_weighting": config.segment_weighting, **options})
-    policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn)
+    def step_done(*state) -> None:
+        reward_fn.end_step()
+        if after_step is not None:
+            after_step(*state)
+
+    policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn, after_step=step_done)
     _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
     return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,
                         run_dir, method, seed)
@@ -266,21 +279,8 @@ def _run_demo(config: DemoConfig) -> dict:
                                          rl_prompts, eval_prompts, method))
     clock = stage_done("ppo", clock)
 
-    # ---- DPO on the reward model's preference pairs ------------------------------------------
     if "dpo" in config.methods:
-        # As many optimizer updates as a PPO run (two per step), each on ppo_batch_size / 2 pairs.
-        finals["dpo"] = []
-        for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
-            run_dir = out / "runs" / "dpo" / f"seed{seed}"
-            dpo_config = DPOConfig(
-                model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), overwrite_output_dir=True,
-                seed=seed, save_steps=0,
-                max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
-                learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
-                max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
-            policy = train_dpo(dpo_config, preference_records, tokenizer=tokenizer)
-            finals["dpo"].append(evaluate_run(policy, sft, reward_model, tokenizer, task, eval_prompts, run_dir,
-                                              "dpo", seed))
+        finals["dpo"] = _run_dpo(config, models, eval_prompts, out)
         clock = stage_done("dpo", clock)
 
     # ---- summary, plot, report -------------------------------------------------------------
@@ -293,19 +293,42 @@ def _run_demo(config: DemoConfig) -> dict:
     summary["lam"] = config.lam  # GAE lambda: not the paper's by default either
     summary["smoke_test"] = config.smoke_test
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    held_out_gold = {"SFT": sft_metrics["gold_reward"]}  # methods without training rollouts: their held-out gold
-    if "dpo" in finals:
+    _write_report(config, out, summary, runs_by_method, sft_samples, task)
+    return summary
+
+
+def _run_dpo(config: DemoConfig, models, eval_prompts: list[str], out: Path) -> list[dict]:
+    """DPO on the reward model's preference pairs, one run per seed: as many optimizer updates as a PPO run (two per
+    step), each on ppo_batch_size / 2 pairs. Returns each run's final evaluation."""
+    finals = []
+    for seed in tqdm(config.seeds, desc="dpo runs", leave=True):
+        run_dir = out / "runs" / "dpo" / f"seed{seed}"
+        dpo_config = DPOConfig(
+            model_name_or_path=str(models.sft_dir), output_dir=str(run_dir), overwrite_output_dir=True,
+            seed=seed, save_steps=0,
+            max_steps=2 * config.ppo_steps, per_device_batch_size=config.ppo_batch_size // 2,
+            learning_rate=config.dpo_learning_rate, max_prompt_length=MAX_PROMPT_TOKENS,
+            max_length=MAX_PROMPT_TOKENS + max_response_tokens(config.num_words) + 1)
+        policy = train_dpo(dpo_config, models.preference_records, tokenizer=models.tokenizer)
+        finals.append(evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task,
+                                   eval_prompts, run_dir, "dpo", seed))
+    return finals
+
+
+def _write_report(config: DemoConfig, out: Path, summary: dict, runs_by_method: dict, sft_samples: list[dict],
+                  task) -> None:
+    """The curves, report.md and the results table on the terminal."""
+    held_out_gold = {"SFT": summary["sft"]["gold_reward"]}  # methods without training rollouts: their held-out gold
+    if "dpo" in summary["methods"]:
         held_out_gold["dpo"] = summary["methods"]["dpo"]["gold_reward_final"]
     plot_curves(runs_by_method, out / "curves.png", config.curve_smoothing, held_out_gold=held_out_gold,
                 parity_gold=summary["parity_target_gold_reward"])
-    write_report(summary, out / "report.md", "curves.png",
-                 examples={"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in finals}},
-                 task=task)
+    examples = {"sft": sft_samples[0], **{m: _first_sample(out, m, config.seeds[0]) for m in summary["methods"]}}
+    write_report(summary, out / "report.md", "curves.png", examples=examples, task=task)
     tqdm.write("\n".join(["", *results_table(summary), "", *comparison_sentences(summary), ""]))
     if config.smoke_test:
         tqdm.write(f"[demo] {SMOKE_TEST_NOTE}")
     tqdm.write(f"[demo] wrote {out / 'report.md'} ({summary['wall_seconds']:.0f} s)")
-    return summary
 
 
 def _first_sample(out: Path, method: str, seed: int) -> dict:

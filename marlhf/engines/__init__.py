@@ -5,7 +5,7 @@ context budget, and the engine's own options; never the run's config), and has t
 trainer in this order:
 
     engine.sync_weights(policy)        # each step: the policy's current weights, before the step's rollout
-    engine.generate(query_ids, query_mask, row_seeds=..., max_new_tokens=..., temperature=..., top_k=...,
+    engine.generate(prompt_ids, prompt_mask, row_seeds=..., max_new_tokens=..., temperature=..., top_k=...,
                     top_p=..., eos_token_id=..., pad_token_id=..., return_logprobs=...)
         -> Generation(response_ids [B, T], response_mask [B, T], logprobs [B, T] or None): the log-probs of
            the drawn tokens under logits / temperature, with return_logprobs (else None)

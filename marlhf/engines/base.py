@@ -35,7 +35,7 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, policy: nn.Module) -> None: ...
 
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, *, row_seeds: Sequence[int],
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, row_seeds: Sequence[int],
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int,
                  return_logprobs: bool = False) -> Generation: ...

@@ -126,8 +126,8 @@ class SampledTokenLogprobs(LogitsProcessor):
 
 def generate_responses(
     policy: nn.Module,
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     *,
     max_new_tokens: int,
     temperature: float,
@@ -154,9 +154,9 @@ def generate_responses(
     GPUs, where transformers would otherwise compile a static-cache decode by itself."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if row_seeds is None:
-        row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
-    if len(row_seeds) != query_ids.shape[0]:
-        raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {query_ids.shape[0]} prompts")
+        row_seeds = torch.randint(2**31 - 1, (prompt_ids.shape[0],)).tolist()
+    if len(row_seeds) != prompt_ids.shape[0]:
+        raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {prompt_ids.shape[0]} prompts")
     # Sampling = greedy decoding of temperature / top-k / top-p scores plus per-row Gumbel noise.
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     recorder = SampledTokenLogprobs()
@@ -167,10 +167,10 @@ def generate_responses(
     if top_p < 1:
         processors.append(TopPLogitsWarper(top_p))
     if sampling_noise == "row_generators":
-        generators = [torch.Generator(query_ids.device).manual_seed(int(seed)) for seed in row_seeds]
+        generators = [torch.Generator(prompt_ids.device).manual_seed(int(seed)) for seed in row_seeds]
         processors.append(RowGumbelNoise(generators))
     elif sampling_noise == "counter_hash":
-        processors.append(CounterGumbelNoise(row_seeds, query_ids.device))
+        processors.append(CounterGumbelNoise(row_seeds, prompt_ids.device))
     else:
         raise ValueError(f"`sampling_noise` must be 'row_generators' or 'counter_hash', got {sampling_noise!r}")
     if kv_cache == "dynamic":
@@ -184,8 +184,8 @@ def generate_responses(
     else:
         raise ValueError(f"`kv_cache` must be 'dynamic', 'static' or 'static_compiled', got {kv_cache!r}")
     sequences = policy.generate(
-        input_ids=query_ids,
-        attention_mask=query_mask.long(),
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask.long(),
         do_sample=False,
         temperature=1.0,
         top_p=1.0,
@@ -196,7 +196,7 @@ def generate_responses(
         use_cache=True,
         **cache,
     )
-    response_ids = sequences[:, query_ids.shape[1] :]
+    response_ids = sequences[:, prompt_ids.shape[1] :]
     response_mask = response_mask_from_ids(response_ids, eos_token_id)
     response_ids = response_ids.masked_fill(~response_mask, pad_token_id)
     if not return_logprobs:
@@ -225,10 +225,10 @@ class HFEngine:
     def sync_weights(self, policy: nn.Module) -> None:
         self.policy = policy  # the very module PPO trains: nothing to copy
 
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, **sampling) -> Generation:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **sampling) -> Generation:
         if self.policy is None:
             raise RuntimeError("sync_weights(policy) must be called before generate")
-        return Generation(*generate_responses(self.policy, query_ids, query_mask, kv_cache=self.options.kv_cache,
+        return Generation(*generate_responses(self.policy, prompt_ids, prompt_mask, kv_cache=self.options.kv_cache,
                                               sampling_noise=self.options.sampling_noise, **sampling))
 
     def close(self) -> None:

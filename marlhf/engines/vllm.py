@@ -429,7 +429,7 @@ class VLLMEngine:
             self.logit_scale = scale
 
     @torch.no_grad()
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, *, row_seeds: Sequence[int] | None = None,
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, row_seeds: Sequence[int] | None = None,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int,
                  return_logprobs: bool = False) -> Generation:
@@ -440,16 +440,16 @@ class VLLMEngine:
             self._build(self.policy)
         self._wake()
         if row_seeds is None:
-            row_seeds = torch.randint(2**31 - 1, (query_ids.shape[0],)).tolist()
-        if len(row_seeds) != query_ids.shape[0]:
-            raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {query_ids.shape[0]} prompts")
+            row_seeds = torch.randint(2**31 - 1, (prompt_ids.shape[0],)).tolist()
+        if len(row_seeds) != prompt_ids.shape[0]:
+            raise ValueError(f"`row_seeds` has {len(row_seeds)} seeds for {prompt_ids.shape[0]} prompts")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._use_temperature(temperature)
         eos_ids = [int(e) for e in torch.as_tensor(eos_token_id).reshape(-1).tolist()]
         prompts = [TokensPrompt(prompt_token_ids=row[mask].tolist())
-                   for row, mask in zip(query_ids.cpu(), query_mask.cpu().bool())]
+                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu().bool())]
         params = [SamplingParams(n=1, temperature=1.0, top_k=top_k if top_k > 0 else -1, top_p=top_p,
                                  max_tokens=max_new_tokens, seed=int(seed), ignore_eos=True, stop_token_ids=eos_ids,
                                  logprobs=0 if return_logprobs else None, detokenize=False)
@@ -473,7 +473,7 @@ class VLLMEngine:
                 logprobs[b, : len(tokens)] = torch.tensor(
                     [step[token].logprob for step, token in zip(completion.logprobs, tokens)])
         response_mask = response_mask_from_ids(response_ids, eos_ids)
-        device = query_ids.device
+        device = prompt_ids.device
         if return_logprobs:
             logprobs = logprobs.masked_fill(~response_mask, 0.0).to(device)
         return Generation(response_ids.to(device), response_mask.to(device), logprobs if return_logprobs else None)

@@ -5,7 +5,7 @@ carry the sampling log-probs.
 
     worker = RolloutWorker(WorkerSpec("hf", HFOptions(), max_length=64, threads=1, log_path="out/rollout_worker_0.log"))
     worker.send_weights(policy)              # the whole model the first time, then only what training changes
-    worker.submit(7, query_ids, query_mask, row_seeds=[...], max_new_tokens=..., ...)
+    worker.submit(7, prompt_ids, prompt_mask, row_seeds=[...], max_new_tokens=..., ...)
     generation, seconds = worker.result(7)   # waits at most `timeout` seconds; a dead or hung worker: MarlhfError
     worker.close()
 
@@ -96,11 +96,11 @@ class RolloutWorker:
         self._put(("weights", weights))
         self.has_model = True
 
-    def submit(self, request_id: int, query_ids: torch.Tensor, query_mask: torch.Tensor, *,
+    def submit(self, request_id: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                row_seeds: Sequence[int], **sampling: Any) -> None:
         """Ask for a Generation of these prompts (the engine's `generate` arguments); `result(request_id)` returns
         it."""
-        self._put(("generate", request_id, query_ids.cpu(), query_mask.cpu(), [int(s) for s in row_seeds], sampling))
+        self._put(("generate", request_id, prompt_ids.cpu(), prompt_mask.cpu(), [int(s) for s in row_seeds], sampling))
 
     def result(self, request_id: int) -> tuple[Generation, float, int]:
         """(the Generation of request `request_id`, the worker's seconds on it, its response tokens). A worker that
@@ -196,14 +196,14 @@ def _serve(spec: WorkerSpec, parent_pid: int, requests, results) -> None:
                 model.load_state_dict(message[1], strict=False)
                 synced = False
             elif kind == "generate":
-                request_id, query_ids, query_mask, row_seeds, sampling = message[1:]
+                request_id, prompt_ids, prompt_mask, row_seeds, sampling = message[1:]
                 results.put(("started", request_id))
                 start = time.perf_counter()
                 if not synced:
                     engine.sync_weights(model)
                     synced = True
                 with torch.no_grad():
-                    generation = engine.generate(query_ids, query_mask, row_seeds=row_seeds, **sampling)
+                    generation = engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds, **sampling)
                 logprobs = generation.logprobs.cpu() if generation.logprobs is not None else None
                 seconds = time.perf_counter() - start
                 results.put(("done", request_id, generation.response_ids.cpu(), generation.response_mask.cpu(),

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from marlhf.config import ConfigBase, option
-from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, prompt_token_ids
+from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, pad_sequences, prompt_token_ids
 from marlhf.data.records import prompt_records
 from marlhf.data.tasks import get_task
 from marlhf.evaluation.judge import write_jsonl
@@ -34,7 +34,6 @@ from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
 from marlhf.engines.hf import generate_responses
-from marlhf.modeling import pad_sequences
 from marlhf.rollout import decode_responses
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -94,21 +93,21 @@ def sampled_batches(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], 
                     batch_size: int = 16, max_prompt_length: int = 512, max_new_tokens: int = 512,
                     temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0,
                     ) -> Iterator[tuple[tuple[torch.Tensor, ...], list[str]]]:
-    """Sampled responses batch by batch: `((query_ids, query_mask, response_ids, response_mask), texts)` (texts
+    """Sampled responses batch by batch: `((prompt_ids, prompt_mask, response_ids, response_mask), texts)` (texts
     decoded, special tokens removed), `samples_per_prompt` consecutive rows per prompt. Prompts keep their last
     `max_prompt_length` tokens and a leading `<bos>`. Sampling uses torch's global RNG: seed it first."""
     device = next(policy.parameters()).device
-    prompt_ids = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
-    rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
+    prompt_tokens = [prompt_token_ids(tokenizer, p, max_prompt_length) for p in prompts]
+    rows = [ids for ids in prompt_tokens for _ in range(samples_per_prompt)]  # a prompt's samples are consecutive
     for start in tqdm(range(0, len(rows), batch_size), desc="generate", disable=None, leave=False):
-        query_ids, query_mask = pad_sequences(rows[start:start + batch_size], tokenizer.pad_token_id, "left")
-        query_ids, query_mask = query_ids.to(device), query_mask.bool().to(device)
+        prompt_ids, prompt_mask = pad_sequences(rows[start:start + batch_size], tokenizer.pad_token_id, "left")
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
         response_ids, response_mask = generate_responses(
-            policy, query_ids, query_mask, max_new_tokens=max_new_tokens,
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
-        yield (query_ids, query_mask, response_ids, response_mask), decode_responses(tokenizer, response_ids,
-                                                                                     response_mask)
+        yield (prompt_ids, prompt_mask, response_ids, response_mask), decode_responses(tokenizer, response_ids,
+                                                                                       response_mask)
 
 
 def generate_texts(policy: torch.nn.Module, tokenizer, prompts: Sequence[str], *, samples_per_prompt: int = 1,
@@ -285,15 +284,7 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
                       max_new_tokens=config.max_response_length, top_k=config.top_k, top_p=config.top_p)
 
     if config.pass_at_k is not None:
-        torch.manual_seed(config.seed)
-        policy, tokenizer = _load_policy(config.model_name_or_path, config.dtype, device)
-        programs = generate_texts(policy, tokenizer, prompts, samples_per_prompt=config.samples_per_prompt,
-                                  temperature=config.temperature, **generation)
-        result = apps_pass_at_k(records, programs, config.pass_at_k, timeout_s=config.code_timeout_s)
-        write_jsonl(output_dir / "programs.jsonl", [{"prompt": p, "difficulty": r["difficulty"], "programs": s}
-                                                    for p, r, s in zip(prompts, records, programs)])
-        _write_json(output_dir / "pass_at_k.json", result)
-        return result
+        return _pass_at_k(config, records, generation, device, output_dir)
 
     paths = [config.model_name_or_path, *(config.compare or ())]
     if config.best_of_n is not None:
@@ -332,6 +323,21 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
             "fraction_model_higher": float(np.mean(difference > 0))}  # model minus baseline, prompt by prompt
     _write_json(output_dir / "comparison.json", comparison)
     return comparison
+
+
+def _pass_at_k(config: EvaluateConfig, records: list[dict[str, Any]], generation: dict[str, Any],
+               device: torch.device, output_dir: Path) -> dict[str, Any]:
+    """APPS pass@k of the policy's programs, run against each record's unit tests."""
+    prompts = [r["prompt"] for r in records]
+    torch.manual_seed(config.seed)
+    policy, tokenizer = _load_policy(config.model_name_or_path, config.dtype, device)
+    programs = generate_texts(policy, tokenizer, prompts, samples_per_prompt=config.samples_per_prompt,
+                              temperature=config.temperature, **generation)
+    result = apps_pass_at_k(records, programs, config.pass_at_k, timeout_s=config.code_timeout_s)
+    write_jsonl(output_dir / "programs.jsonl", [{"prompt": p, "difficulty": r["difficulty"], "programs": s}
+                                                for p, r, s in zip(prompts, records, programs)])
+    _write_json(output_dir / "pass_at_k.json", result)
+    return result
 
 
 def _best_of_n(config: EvaluateConfig, path: str, prompts: list[str], generation: dict[str, Any],

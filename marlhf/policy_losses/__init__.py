@@ -15,7 +15,7 @@ options are PPOConfig's clip_range, ratio_granularity, segment_weighting and tis
 registers itself with `register_policy_loss`.
 """
 
-from marlhf.policy_losses.base import POLICY_LOSSES, REGISTRY, PolicyLossBatch, get_policy_loss, register_policy_loss
+from marlhf.policy_losses.base import POLICY_LOSSES, REGISTRY, PolicyLossBatch, register_policy_loss
 from marlhf.policy_losses.ppo import ClippedOptions  # noqa: E402  (importing a built-in's file registers it)
 
-__all__ = ["PolicyLossBatch", "REGISTRY", "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "ClippedOptions"]
+__all__ = ["PolicyLossBatch", "REGISTRY", "POLICY_LOSSES", "register_policy_loss", "ClippedOptions"]

@@ -12,7 +12,7 @@ import torch
 from marlhf.losses import LossAggregation, loss_units
 from marlhf.plugins import Plugin, Registry
 
-__all__ = ["PolicyLossBatch", "REGISTRY", "POLICY_LOSSES", "register_policy_loss", "get_policy_loss"]
+__all__ = ["PolicyLossBatch", "REGISTRY", "POLICY_LOSSES", "register_policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +50,3 @@ def register_policy_loss(name: str, *, options: type | None = None,
     """Decorator: register a policy loss under `name`, with its options dataclass and its `units` (default:
     tokens)."""
     return REGISTRY.register(name, options=options, **({"units": units} if units is not None else {}))
-
-
-def get_policy_loss(spec: str) -> Plugin:
-    """The loss registered as `spec`, or the one at the dotted path `package.module:function`."""
-    return REGISTRY.get(spec)
-

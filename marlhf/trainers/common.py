@@ -10,14 +10,14 @@ API:
         # config, opens the MetricsLogger (its close() releases the lock); start_step = optimizer steps done.
         # ValueError when output_dir holds an earlier run and neither resume nor overwrite_output_dir is set.
     plan = BatchPlan(num_records, config, accelerator)      # deterministic order: epoch e shuffled by seed + e
-    plan.total_steps; plan.epoch_at(step); plan.micro_batches(step) -> this process's index lists
+    plan.total_steps; plan.epoch_at(step); plan.pieces(step) -> this process's index lists
     optimizer = make_optimizer(model, config); scheduler = make_scheduler(optimizer, config, plan.total_steps)
     maybe_save_checkpoint(config, step, accelerator, models, optimizers, schedulers, tokenizer)
     what_was_saved(config) -> str   # the end of the Ctrl-C line (marlhf.cli): newest checkpoint, how to continue
     save_final_model(model, tokenizer, directory, accelerator)
-    accumulation_context(accelerator, model, is_last_micro_batch)
-    configure_deepspeed(accelerator, config, micro_batch_size)  # before accelerator.prepare; no-op unless DeepSpeed
-    backward(accelerator, model, loss, is_last_micro_batch)  # accelerator.backward, or the model's own engine's
+    accumulation_context(accelerator, model, is_last_piece)
+    configure_deepspeed(accelerator, config, piece_size)  # before accelerator.prepare; no-op unless DeepSpeed
+    backward(accelerator, model, loss, is_last_piece)  # accelerator.backward, or the model's own engine's
     guard = FiniteUpdates(config.nonfinite_skip_limit)    # skips optimizer steps with a NaN/inf gradient norm
     grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm, guard)
     model = train_supervised(config, accelerator, model, tokenizer, examples, collate, loss_fn, desc)
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -263,14 +264,14 @@ class BatchPlan:
 
     def __init__(self, num_records: int, config: TrainingConfig, accelerator: Accelerator,
                  accumulation: int | None = None) -> None:
-        """`accumulation`: micro-batches per optimizer step (None: config.gradient_accumulation_steps)."""
+        """`accumulation`: pieces per optimizer step (None: config.gradient_accumulation_steps)."""
         self.num_records = num_records
         self.seed = config.seed
-        self.micro_batch_size = config.per_device_batch_size
+        self.piece_size = config.per_device_batch_size
         self.accumulation = config.gradient_accumulation_steps if accumulation is None else accumulation
         self.process_index = accelerator.process_index
         self.num_processes = accelerator.num_processes
-        self.records_per_step = self.micro_batch_size * self.accumulation * self.num_processes
+        self.records_per_step = self.piece_size * self.accumulation * self.num_processes
         self.steps_per_epoch = num_records // self.records_per_step
         if self.steps_per_epoch == 0:
             raise ValueError(f"{num_records} records are fewer than one optimizer step needs "
@@ -281,14 +282,14 @@ class BatchPlan:
     def epoch_at(self, step: int) -> float:
         return step / self.steps_per_epoch
 
-    def micro_batches(self, step: int) -> list[list[int]]:
+    def pieces(self, step: int) -> list[list[int]]:
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         order = torch.randperm(self.num_records, generator=torch.Generator().manual_seed(self.seed + epoch))
         start = step_in_epoch * self.records_per_step
         batches = []
-        for micro in range(self.accumulation):
-            offset = start + (micro * self.num_processes + self.process_index) * self.micro_batch_size
-            batches.append(order[offset:offset + self.micro_batch_size].tolist())
+        for piece in range(self.accumulation):
+            offset = start + (piece * self.num_processes + self.process_index) * self.piece_size
+            batches.append(order[offset:offset + self.piece_size].tolist())
         return batches
 
 
@@ -305,17 +306,25 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig, tot
     warmup_steps = config.warmup_steps if config.warmup_steps is not None else math.ceil(config.warmup_ratio * total_steps)
     # The option names the schedule after warmup; transformers' plain "constant" would skip the warmup.
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    # A run drawn out past its plan (PPO's min_generated_tokens) keeps the schedule's last learning rate: cosine's
+    # formula would otherwise rise again after its end.
+    scheduler.lr_lambdas = [functools.partial(_held_after, schedule, total_steps) for schedule in scheduler.lr_lambdas]
+    return scheduler
 
 
-def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_last_micro_batch: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
-    return contextlib.nullcontext() if is_last_micro_batch else accelerator.no_sync(model)
+def _held_after(schedule, total_steps: int, step: int) -> float:
+    return schedule(min(step, total_steps))
 
 
-def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig, micro_batch_size: int) -> None:
-    """Under DeepSpeed, before accelerator.prepare: give its config the micro-batch size that Accelerate takes
-    from a prepared dataloader (marlhf batches by itself), and refuse what does not work there yet."""
+def accumulation_context(accelerator: Accelerator, model: torch.nn.Module, is_last_piece: bool):
+    """Skip the gradient all-reduce on all but the last piece of an optimizer step."""
+    return contextlib.nullcontext() if is_last_piece else accelerator.no_sync(model)
+
+
+def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig, piece_size: int) -> None:
+    """Under DeepSpeed, before accelerator.prepare: give its config the piece size (its micro-batch size) that
+    Accelerate takes from a prepared dataloader (marlhf batches by itself), and refuse what does not work there yet."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     if config.save_steps or config.resume:
@@ -325,15 +334,15 @@ def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig, micro_
                          "(configs/accelerate/ddp.yaml) or FSDP (fsdp.yaml), which checkpoint and resume")
     plugin = accelerator.state.deepspeed_plugin
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = piece_size
 
 
-def backward(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor, is_last_micro_batch: bool) -> None:
+def backward(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor, is_last_piece: bool) -> None:
     """accelerator.backward(loss), except under DeepSpeed: there Accelerate sends every backward to the engine
     prepared first and steps it at once, so each model's own engine (PPO: policy and critic) runs its backward
-    here and steps in optimizer_step, after the optimizer step's last micro-batch."""
+    here and steps in optimizer_step, after the optimizer step's last piece."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        model.set_gradient_accumulation_boundary(is_last_micro_batch)
+        model.set_gradient_accumulation_boundary(is_last_piece)
         model.backward(loss, scale_wrt_gas=False)  # the trainers scale their losses for accumulation themselves
     else:
         accelerator.backward(loss)
@@ -397,7 +406,7 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
     """The supervised loop of SFT, reward modelling and DPO, from optimiser setup to the saved final model.
 
     `collate(examples, pad_token_id, device) -> batch`; `loss_fn(model, batch) -> (loss, stats)` with 0-dim
-    detached stats, logged with the loss as their means over the step's micro-batches;
+    detached stats, logged with the loss as their means over the step's pieces;
     `evaluate(model, step, total_steps) -> dict` (optional) adds metrics after a step (empty: none this step). Returns the
     trained model unwrapped (with LoRA: the adapters merged).
     """
@@ -415,13 +424,13 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
     with tqdm(range(start_step, plan.total_steps), initial=start_step, total=plan.total_steps, desc=desc,
               disable=not accelerator.is_local_main_process) as progress:
         for step in progress:
-            micro_batches = plan.micro_batches(step)
+            pieces = plan.pieces(step)
             step_stats = []
-            for index, indices in enumerate(micro_batches):
+            for index, indices in enumerate(pieces):
                 batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, accelerator.device)
-                with accumulation_context(accelerator, model, index == len(micro_batches) - 1):
+                with accumulation_context(accelerator, model, index == len(pieces) - 1):
                     loss, stats = loss_fn(model, batch)
-                    backward(accelerator, model, loss / len(micro_batches), index == len(micro_batches) - 1)
+                    backward(accelerator, model, loss / len(pieces), index == len(pieces) - 1)
                 step_stats.append({"loss": loss.detach(), **stats})
             grad_norm, learning_rate = optimizer_step(accelerator, model, optimizer, scheduler, config.max_grad_norm,
                                                       guard)

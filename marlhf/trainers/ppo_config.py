@@ -153,6 +153,16 @@ class PPOConfig(TrainingConfig):
         None, "adapt the KL coefficient after every step towards this KL (objective/kl), starting from kl_coef "
               "(Ziegler et al. 2019; none: kl_coef stays fixed); logged as objective/kl_coef, kept in checkpoints",
         gt=0)
+    max_generated_tokens: int | None = option(
+        None, "token budget: end the run after the first step at which the tokens generated so far reach N, even "
+              "before max_steps (every sampled response token and every Monte-Carlo continuation token, over all "
+              "processes: the sums of rollout/tokens and rollout/mc_tokens, logged so far as "
+              "rollout/generated_tokens; kept in checkpoints); none: off", ge=1)
+    min_generated_tokens: int | None = option(
+        None, "token budget: do not end the run at max_steps before the tokens generated so far (as "
+              "max_generated_tokens counts them) reach N; it goes on a step at a time until they do, the "
+              "learning-rate schedule laid out over max_steps and held at its last value past it (cosine's: 0); "
+              "none: off", ge=1)
     kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
                                     "must exceed 0.2 x the responses per step)", ge=1)
     value_weighting: ValueWeighting = option(
@@ -268,21 +278,7 @@ class PPOConfig(TrainingConfig):
         if self.logprob_temperature == "raw" and self.rollout_logprobs == "sampling":
             raise ValueError("logprob_temperature='raw' needs rollout_logprobs='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
-        if self.max_staleness and not self.rollout_workers:
-            raise ValueError(f"max_staleness={self.max_staleness} samples ahead of training in rollout worker "
-                             "processes: set rollout_workers >= 1")
-        if self.max_staleness and self.tis_cap is not None:
-            raise ValueError("max_staleness > 0 corrects the rollout's lag and the engine's numerics together (the ppo "
-                             "loss's staleness_correction, 'tis' for truncation): unset tis_cap")
-        if self.compares_rollout_logprobs:
-            what = ("max_staleness" if self.max_staleness else "log_rollout_logprob_diff"
-                    if self.log_rollout_logprob_diff else "tis_cap")
-            if self.rollout_logprobs == "sampling" and not self.reuses_rollout_forward:
-                raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
-                                 "rollout_logprobs='sampling' does not compute: use rollout_logprobs='recompute'")
-            if self.logprob_temperature == "raw":
-                raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
-                                 "logits / temperature)")
+        self._check_rollout_logprobs()
         if self.plugin("advantage").reads_entropy and self.rollout_logprobs == "sampling" and not \
                 self.reuses_rollout_forward:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
@@ -299,13 +295,40 @@ class PPOConfig(TrainingConfig):
                              f"{self.advantage!r} has none (use advantage='gae')")
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_target adapts kl_coef from its start value, which must be > 0 (got kl_coef=0)")
+        if (self.min_generated_tokens is not None and self.max_generated_tokens is not None
+                and self.min_generated_tokens > self.max_generated_tokens):
+            raise ValueError(f"min_generated_tokens ({self.min_generated_tokens}) must be <= max_generated_tokens "
+                             f"({self.max_generated_tokens})")
         if self.kl_target is not None:
             AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
+
+    def _check_rollout_logprobs(self) -> None:
+        """The asynchronous rollouts' needs, and what comparing the engine's log-probs with the trainer's needs."""
+        if self.max_staleness and not self.rollout_workers:
+            raise ValueError(f"max_staleness={self.max_staleness} samples ahead of training in rollout worker "
+                             "processes: set rollout_workers >= 1")
+        if self.max_staleness and self.tis_cap is not None:
+            raise ValueError("max_staleness > 0 corrects the rollout's lag and the engine's numerics together (the ppo "
+                             "loss's staleness_correction, 'tis' for truncation): unset tis_cap")
+        if self.compares_rollout_logprobs:
+            what = ("max_staleness" if self.max_staleness else "log_rollout_logprob_diff"
+                    if self.log_rollout_logprob_diff else "tis_cap")
+            if self.rollout_logprobs == "sampling" and not self.reuses_rollout_forward:
+                raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
+                                 "rollout_logprobs='sampling' does not compute: use rollout_logprobs='recompute'")
+            if self.logprob_temperature == "raw":
+                raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
+                                 "logits / temperature)")
 
     @property
     def rollout_size(self) -> int:
         """Responses sampled per PPO step on each process."""
         return self.per_device_batch_size * self.num_samples_per_prompt
+
+    @property
+    def counts_generated_tokens(self) -> bool:
+        """Whether a token budget is set: the run then counts its generated tokens (one read to the host a step)."""
+        return self.max_generated_tokens is not None or self.min_generated_tokens is not None
 
     @property
     def scoring_temperature(self) -> float:

@@ -1,23 +1,81 @@
-"""What `train_ppo` sets up before its first step: the reward source, the models, the tokenized prompts, and the
-optimisers and schedulers prepared by Accelerate."""
+"""What `train_ppo` sets up before its first step: the plug-ins (`Plugins`), the reward source, the models, the
+tokenized prompts, and the optimisers and schedulers prepared by Accelerate (`Updater`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from marlhf.data.encoding import prompt_token_ids
+from marlhf.engines import EngineContext, RolloutEngine
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm
+from marlhf.plugins import Plugin
 from marlhf.rewards import code_reward_fn
 from marlhf.rewards.functions import RewardFunctions
 from marlhf.rollout import RewardFn
 from marlhf.trainers.common import BatchPlan, FiniteUpdates, configure_deepspeed, make_optimizer, make_scheduler
 from marlhf.trainers.ppo_config import PPOConfig
 
-__all__ = ["PPOModels", "reward_source", "build_models", "tokenize_prompts", "prepare_training"]
+__all__ = ["Chosen", "Plugins", "Updater", "PPOModels", "reward_source", "build_models", "tokenize_prompts",
+           "prepare_training", "checkpointed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """A plug-in as the run chose it: the registered plug-in and its options (None: it declares none). Every kind
+    is called the same way, on the one argument its seam defines (a batch that carries `options`, or an engine's
+    context): `chosen(batch)`. Its traits read through (`chosen.needs_critic`)."""
+
+    plugin: Plugin
+    options: Any
+
+    def __call__(self, argument: Any) -> Any:
+        return self.plugin.obj(argument)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "plugin":  # not set yet (copying): no trait lookup
+            raise AttributeError(name)
+        return getattr(self.plugin, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugins:
+    """The run's plug-ins (marlhf.plugins), resolved once from the config: the termination rule, the advantage
+    estimator, the policy loss and the rollout engine's factory, each with its options. The trainer reads plug-in
+    options here, never off the config."""
+
+    termination: Chosen
+    estimator: Chosen
+    policy_loss: Chosen
+    engine: Chosen
+
+    @classmethod
+    def from_config(cls, config: PPOConfig) -> Plugins:
+        return cls(*(Chosen(config.plugin(option), config.plugin_options(option))
+                     for option in ("termination", "advantage", "policy_loss", "rollout_engine")))
+
+    def make_engine(self, accelerator, max_length: int) -> RolloutEngine:
+        """A new rollout engine, from its factory."""
+        return self.engine(EngineContext(accelerator, self.engine.options, max_length=max_length))
+
+    def loss_units(self, mask: torch.Tensor, segment_ids: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+        """What the policy loss is a mean over in these rows (its `units` trait, with its options)."""
+        return self.policy_loss.units(mask, segment_ids, self.policy_loss.options, loss_agg_mode)
+
+
+@dataclasses.dataclass
+class Updater:
+    """One trained model and what steps it, prepared by Accelerate: its optimizer, learning-rate scheduler and
+    finite-update guard (a NaN or inf gradient norm skips the step)."""
+
+    role: Literal["policy", "critic"]
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    guard: FiniteUpdates
 
 
 @dataclasses.dataclass
@@ -116,10 +174,9 @@ def tokenize_prompts(records: list[dict[str, Any]], tokenizer, config: PPOConfig
 
 
 def prepare_training(config: PPOConfig, accelerator, models: PPOModels, plan: BatchPlan,
-                     piece_size: int) -> tuple[dict, dict, dict, list]:
-    """Optimisers and schedulers of the policy (and critic), all prepared by Accelerate. Returns the name ->
-    model / optimizer / scheduler dicts (what checkpoints hold) and the updaters, (model, optimizer, scheduler,
-    finite-update guard) of the policy, then the critic."""
+                     piece_size: int) -> list[Updater]:
+    """Optimisers and schedulers of the policy (and critic), all prepared by Accelerate: the policy's updater, then
+    the critic's."""
     updates_per_step = config.ppo_epochs * (config.rollout_size // config.mini_batch_size)
     policy_optimizer = make_optimizer(models.policy, config)
     policy_scheduler = make_scheduler(policy_optimizer, config, plan.total_steps * updates_per_step)
@@ -127,15 +184,22 @@ def prepare_training(config: PPOConfig, accelerator, models: PPOModels, plan: Ba
     # backward stays tied to the policy's engine: ppo_update calls each engine's backward itself).
     configure_deepspeed(accelerator, config, piece_size)
     policy, policy_optimizer = accelerator.prepare(models.policy, policy_optimizer)
-    prepared, optimizers, schedulers = {"policy": policy}, {"policy": policy_optimizer}, {"policy": policy_scheduler}
+    updaters = [Updater("policy", policy, policy_optimizer, policy_scheduler,
+                        FiniteUpdates(config.nonfinite_skip_limit))]
     if models.critic is not None:
         critic_optimizer = make_optimizer(models.critic, config, learning_rate=config.critic_learning_rate)
         critic_scheduler = make_scheduler(critic_optimizer, config, plan.total_steps * updates_per_step)
         critic, critic_optimizer = accelerator.prepare(models.critic, critic_optimizer)
-        prepared["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
-    updaters = [(prepared[name], optimizers[name], schedulers[name], FiniteUpdates(config.nonfinite_skip_limit))
-                for name in prepared]
-    return prepared, optimizers, schedulers, updaters
+        updaters.append(Updater("critic", critic, critic_optimizer, critic_scheduler,
+                                FiniteUpdates(config.nonfinite_skip_limit)))
+    return updaters
+
+
+def checkpointed(updaters: list[Updater], **more_schedulers: Any) -> tuple[dict, dict, dict]:
+    """What a checkpoint holds, by role: (models, optimizers, schedulers), with `more_schedulers` (a KL controller)
+    beside the learning-rate schedulers."""
+    return ({u.role: u.model for u in updaters}, {u.role: u.optimizer for u in updaters},
+            {**{u.role: u.scheduler for u in updaters}, **more_schedulers})
 
 
 def _disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

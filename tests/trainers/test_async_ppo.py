@@ -120,7 +120,7 @@ class _FakeWorker:
     def send_weights(self, policy) -> None:
         self.version, self.weights_sent = policy.version, self.weights_sent + 1
 
-    def submit(self, step, query_ids, query_mask, *, row_seeds, **sampling) -> None:
+    def submit(self, step, prompt_ids, prompt_mask, *, row_seeds, **sampling) -> None:
         self.sampled_by[step] = self.version
 
     def result(self, step):

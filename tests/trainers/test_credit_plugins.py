@@ -98,7 +98,7 @@ def test_entropy_weighted_in_ppo_is_the_pure_function_of_the_policys_entropy(tmp
                                     o.success_threshold)
         assert torch.equal(after.advantages, expected) and after.advantages.abs().sum() > 0
         if step == 0:  # the initial policy's entropy, from its logits at the scoring temperature
-            inputs = (before.query_ids, before.query_mask, before.response_ids, mask)
+            inputs = (before.prompt_ids, before.prompt_mask, before.response_ids, mask)
             logprobs, entropy = response_logprobs_and_entropy(policy, *inputs, temperature=config.temperature)
             torch.testing.assert_close(before.entropy, entropy)
             torch.testing.assert_close(before.logprobs, logprobs)
@@ -108,14 +108,14 @@ def test_entropy_weighted_in_ppo_is_the_pure_function_of_the_policys_entropy(tmp
 
 def test_entropy_is_the_distributions_and_kept_only_when_read(make_tiny_causal_lm, tiny_tokenizer):
     policy = make_tiny_causal_lm().eval()
-    query = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[False, True, True], [True, True, True]])
+    prompt = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[False, True, True], [True, True, True]])
     response = torch.tensor([[10, 11, 0], [12, 13, 14]]), torch.tensor([[True, True, False], [True, True, True]])
     scores = lambda prompts, responses: [0.0] * len(responses)  # noqa: E731
     common = dict(ref=None, temperature=0.7, reward_fn=scores, prompts=["a", "b"], tokenizer=tiny_tokenizer,
-                  chunk_size=1)
-    kept = score_responses(*query, *response, policy=policy, with_entropy=True, **common)
-    assert score_responses(*query, *response, policy=policy, **common).entropy is None
-    logits = policy(input_ids=torch.cat([query[0], response[0]], 1)).logits  # no padding inside row 1
+                  piece_size=1)
+    kept = score_responses(*prompt, *response, policy=policy, with_entropy=True, **common)
+    assert score_responses(*prompt, *response, policy=policy, **common).entropy is None
+    logits = policy(input_ids=torch.cat([prompt[0], response[0]], 1)).logits  # no padding inside row 1
     probs = (logits[1, 2:-1] / 0.7).softmax(-1)
     torch.testing.assert_close(kept.entropy[1], -(probs * probs.log()).sum(-1))
     assert kept.entropy[0, 2] == 0  # padding

@@ -210,7 +210,7 @@ def test_sampling_pass_logprobs_save_a_forward_and_train_alike(tmp_path, make_ti
     {}, dict(segment_weighting="uniform", termination="word", value_weighting="first"),
     dict(loss_agg_mode="seq-mean-token-mean", value_loss_granularity="token", ngram=3),
 ], ids=["tokens", "uniform-word", "released-aggregation"])
-def test_update_pieces_and_scoring_chunks_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
+def test_update_and_scoring_pieces_do_not_change_the_run(tmp_path, make_tiny_causal_lm, tiny_tokenizer,
                                                                  weighting):
     """Rows scored and updated in small length-sorted pieces with their padding cut train like one piece (with
     a plain mean over macro actions, each piece weighs by its share of the mini-batch's macro actions)."""

@@ -1,0 +1,605 @@
+"""Study III: what segments buy beyond a lambda. Segment-level values and boundaries against tuned token-level PPO
+at an equal budget of generated tokens.
+
+    python benchmarks/credit_segments.py --work W --results R   # tuning, choices.json, then confirmation and the
+                                                                # equal-steps secondary (resumes where it stopped)
+    python benchmarks/credit_segments.py --max_runs 20 ...      # part of it, in several sittings
+    python benchmarks/credit_segments.py --summarize --results R  # tables and figures from the result files only
+    python benchmarks/credit_segments.py --quick --work W --results R   # the tiny version (the test's)
+
+The design is pre-registered in benchmarks/results/credit_segments/README.md (design commit c8158f4; also
+docs/studies/segments.md) and fixed here in `DESIGN`, `ARMS`, `KL_TARGETS` and `MARGINS`. In short: tasks task1_long,
+task3 and task4 (the demo's, at their defaults) x set-ups gold_sft and rm_rm; builds (the demo's task_seed 1234 + b):
+tuning on build 0 (seeds 0, 1, gold_sft only), confirmation on builds 1-3 x seeds 10-13; arms TOK, MA5, MA-LP, MC5,
+MC-LP, TEMPO, GRPO, RLOO, each sampling 32 responses a step; every run adapts its KL coefficient from 0.05 towards its
+group's target (horizon 160 responses).
+
+The budget of generated tokens (the primary endpoint): a run of an arm other than TOK is paired with TOK's run of the
+same task, set-up, build and seed (TOK's chosen setting in tuning), which trains 50 steps; its budget is the tokens
+that run generated (every sampled response token, Monte-Carlo continuations included: the sums of the trainer's
+per-step rollout/tokens and rollout/mc_tokens). The trainer stops on it (PPOConfig.max_generated_tokens, and
+min_generated_tokens to go on past max_steps): the Monte-Carlo arms and every tuning run end at the first step whose
+tokens so far reach it; the other confirmation arms run to whichever comes later, that step or step 50. The policy is
+evaluated on the held-out prompts (the demo's 128, one sample each, as its final evaluation) every 10 steps, at the
+budget step and at the end (train_ppo's `after_step` hook; the random states are kept, so evaluating does not change
+the run), each evaluation with Task 4's decision shares (benchmarks/task4_learnable.py).
+
+Provenance: every result file records the commit of the code (`git rev-parse HEAD` of this file's worktree) and
+whether that worktree was clean: `git status --porcelain` empty, untracked files included. Result files are
+therefore written outside the code's worktree (`--results` in another git worktree, where they are committed): the
+runner refuses a results directory inside the code's worktree and a dirty code worktree for every run but --quick's,
+and `--summarize` refuses confirmation files of more than one commit.
+
+Each finished run writes RESULTS/<phase>/<task>/<setup>/<arm>/build<b>-seed<s>.json and is never run again (phases:
+tuning, confirmation, equal_steps); models and run directories live in WORK (not committed). Two runs at a time
+(`--workers`), each in its own process with one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import credit_assignment as study_one  # noqa: E402  (run machinery, set-ups, result writer, process pool)
+import credit_assignment_lambda as study_two  # noqa: E402  (t-interval bounds, formatting, result loading)
+import task4_learnable  # noqa: E402  (Task 4's decision shares: does the policy read the clue?)
+
+from marlhf.evaluation.stats import holm, paired_t  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_RESULTS = ROOT / "results" / "credit_segments"
+SETUPS = study_one.SETUPS  # gold_sft: 4 x gold, critic from SFT; rm_rm: reward model, critic from it
+TASKS = {"task1_long": study_one.TASKS["task1_long"], "task3": study_two.TASKS["task3"],
+         "task4": {"num_words": 20, "gold": "decision"}}  # the demo's decision_rate 0.3 and clue_words 4
+FIRST_TASK_SEED = 1234  # build b is task_seed 1234 + b
+KL_TARGETS = {("task1_long", "gold_sft"): 4.0, ("task1_long", "rm_rm"): 10.0, ("task3", "gold_sft"): 9.0,
+              ("task3", "rm_rm"): 11.0, ("task4", "gold_sft"): 8.0, ("task4", "rm_rm"): 11.0}
+KL_HORIZON = 160  # responses
+STEPS = 50  # TOK's run, and the equal-steps secondary
+EVAL_EVERY = 10  # steps between held-out evaluations (the matched-KL secondary)
+MARGINS = {"task1_long": 0.03, "task3": 0.03, "task4": 0.015}  # equivalence margins, each task's gold scale
+ALPHA = 0.05
+DESIGN_COMMIT = "c8158f4"
+BUDGET_HOURS = 12.0
+
+TOKEN = {"termination": "fixed", "ngram": 1}
+FIXED5 = {"termination": "fixed", "ngram": 5}
+GROUP = {**TOKEN, "num_samples_per_prompt": 4}  # critic-free group arms: 8 prompts x 4 samples
+
+
+def low_prob(threshold: float) -> dict:
+    """MA-LP's boundaries: a macro action starts at every token sampled with probability below `threshold`
+    (interval 1, no min/max)."""
+    return {"termination": "low_prob",
+            "termination_options": {"threshold": threshold, "interval": 1, "min_tokens": None, "max_tokens": None}}
+
+
+def mc_segment(samples: int) -> dict:
+    return {"advantage": "mc_segment", "advantage_options": {"mc_samples": samples, "max_boundaries": 4}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """An arm: its PPOConfig options, or its settings tuned on build 0 ({setting: options}, the first listed wins
+    ties), and whether it makes Monte-Carlo continuations (MA-LP and MC-LP take other arms' choices: arm_options)."""
+    options: dict | None = None
+    settings: dict | None = None
+    monte_carlo: bool = False
+
+
+ARMS = {
+    "TOK": Arm(settings={"lam0.95": {**TOKEN, "lam": 0.95}, "lam1": {**TOKEN, "lam": 1.0}}),
+    "MA5": Arm(settings={"lam0.95": {**FIXED5, "value_weighting": "first", "lam": 0.95},
+                         "lam1": {**FIXED5, "value_weighting": "first", "lam": 1.0}}),
+    "MA-LP": Arm(settings={"threshold0.5": {**low_prob(0.5), "value_weighting": "first"},  # lam: MA5's
+                           "threshold0.9": {**low_prob(0.9), "value_weighting": "first"}}),
+    "MC5": Arm(settings={"K2": {**FIXED5, **mc_segment(2)}, "K4": {**FIXED5, **mc_segment(4)}}, monte_carlo=True),
+    "MC-LP": Arm(options={}, monte_carlo=True),  # MA-LP's threshold, MC5's K
+    "TEMPO": Arm(options={**GROUP, "advantage": "prefix_tree", "advantage_options": {"normalize_std": True}}),
+    "GRPO": Arm(options={**GROUP, "advantage": "grpo", "grpo_normalize_std": True}),
+    "RLOO": Arm(options={**GROUP, "advantage": "rloo"}),
+}
+TUNED = ("TOK", "MA5", "MA-LP", "MC5")  # in the tuning's order
+MC_ARMS = tuple(a for a, arm in ARMS.items() if arm.monte_carlo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+    tasks: tuple[str, ...]
+    setups: tuple[str, ...]
+    tuning_setups: tuple[str, ...]
+    tuning_builds: tuple[int, ...]
+    tuning_seeds: tuple[int, ...]
+    confirmation_builds: tuple[int, ...]
+    confirmation_seeds: tuple[int, ...]
+    arms: tuple[str, ...]
+    equal_steps_builds: tuple[int, ...]  # the Monte-Carlo arms' 50-step secondary
+    steps: int = STEPS
+    eval_every: int = EVAL_EVERY
+    quick: bool = False
+
+
+DESIGN = Design(tasks=tuple(TASKS), setups=tuple(SETUPS), tuning_setups=("gold_sft",), tuning_builds=(0,),
+                tuning_seeds=(0, 1), confirmation_builds=(1, 2, 3), confirmation_seeds=(10, 11, 12, 13),
+                arms=tuple(ARMS), equal_steps_builds=(1,))
+# Seconds per run at the tiny sizes (3 steps of 8 responses): the whole tuning, then one arm of each kind (a macro
+# action arm, a Monte-Carlo one on tuned boundaries, a group one) on 2 seeds, and the equal-steps phase.
+QUICK_DESIGN = Design(tasks=("task4",), setups=("gold_sft",), tuning_setups=("gold_sft",), tuning_builds=(0,),
+                      tuning_seeds=(0,), confirmation_builds=(1,), confirmation_seeds=(10, 11),
+                      arms=("TOK", "MA5", "MC-LP", "GRPO"),
+                      equal_steps_builds=(1,), steps=3, eval_every=2, quick=True)
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+def tuning_stages(design: Design) -> list[list[tuple]]:
+    """The tuning runs (phase, task, setup, arm+setting, build, seed) in the README's order, one stage per tuned
+    arm: TOK first (its budget pairs the others'), then MA5, MA-LP (at MA5's lam) and MC5."""
+    return [[("tuning", task, setup, f"{arm}+{setting}", build, seed) for seed in design.tuning_seeds
+             for build in design.tuning_builds for task in design.tasks for setup in design.tuning_setups
+             for setting in ARMS[arm].settings] for arm in TUNED]
+
+
+def confirmation_stages(design: Design) -> list[list[tuple]]:
+    """TOK's runs first (every other run's budget); then build by build all arms and groups; then the Monte-Carlo
+    arms' equal-steps secondary."""
+    def jobs(phase, builds, arms):
+        return [(phase, task, setup, arm, build, seed) for build in builds for seed in design.confirmation_seeds
+                for task in design.tasks for setup in design.setups for arm in arms]
+
+    others = [a for a in design.arms if a != "TOK"]
+    return [jobs("confirmation", design.confirmation_builds, ["TOK"]),
+            *[jobs("confirmation", [b], others) for b in design.confirmation_builds],
+            jobs("equal_steps", design.equal_steps_builds, [a for a in design.arms if a in MC_ARMS])]
+
+
+def result_path(results: Path, job: tuple) -> Path:
+    phase, task, setup, arm, build, seed = job
+    return results / phase / task / setup / arm / f"build{build}-seed{seed}.json"
+
+
+def budget_job(job: tuple, choices: dict | None) -> tuple | None:
+    """The TOK run whose generated tokens are `job`'s budget (None: no budget, TOK's own runs and the equal-steps
+    secondary). In tuning, TOK's chosen setting's run of the same task and seed."""
+    phase, task, setup, arm, build, seed = job
+    if arm.startswith("TOK") or phase == "equal_steps":
+        return None
+    if phase == "tuning":
+        return ("tuning", task, setup, f"TOK+{choices['settings']['TOK']}", build, seed)
+    return ("confirmation", task, setup, "TOK", build, seed)
+
+
+def arm_options(arm: str, choices: dict | None) -> dict:
+    """PPOConfig options of an arm (`arm` or `arm+setting` in tuning) under the tuning's choices."""
+    name, _, setting = arm.partition("+")
+    spec = ARMS[name]
+    if spec.settings is not None:
+        options = dict(spec.settings[setting or choices["settings"][name]])
+    else:
+        options = dict(spec.options)
+    if name == "MA-LP":
+        options["lam"] = ARMS["MA5"].settings[choices["settings"]["MA5"]]["lam"]
+    if name == "MC-LP":
+        threshold = ARMS["MA-LP"].settings[choices["settings"]["MA-LP"]]["termination_options"]["threshold"]
+        mc = {k: v for k, v in ARMS["MC5"].settings[choices["settings"]["MC5"]].items() if k not in FIXED5}
+        options = {**low_prob(threshold), **mc}
+    return options
+
+
+def job_options(job: tuple, design: Design, choices: dict | None, budget: int | None) -> dict:
+    """The run's PPOConfig options: its arm's, the adaptive KL controller, and the token budget: the Monte-Carlo arms
+    and tuning runs end at the step that reaches it, the other confirmation arms at that step or step 50, whichever
+    comes later."""
+    phase, task, setup, arm, _, _ = job
+    options = {**arm_options(arm, choices), "kl_target": KL_TARGETS[(task, setup)], "kl_horizon": KL_HORIZON}
+    if budget is not None:
+        options["min_generated_tokens"] = budget
+        if phase == "tuning" or arm.partition("+")[0] in MC_ARMS:
+            options["max_generated_tokens"] = budget
+    return options
+
+
+def generated_tokens(result: dict) -> int:
+    """The tokens a run generated: its rollouts' and Monte-Carlo continuations', summed over its steps."""
+    curves = result["curves"]
+    return int(sum(curves["rollout/tokens"]) + sum(x or 0 for x in curves.get("rollout/mc_tokens") or []))
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+def git_state(root: Path = ROOT) -> dict:
+    """The commit of the code and whether its worktree is clean: `git status --porcelain` empty, untracked files
+    included (result files are written in another worktree, so they never count)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "clean": git("status", "--porcelain", "--untracked-files=all") == ""}
+
+
+def check_provenance(results: Path, quick: bool, root: Path = ROOT) -> dict:
+    """Refuse (SystemExit, one line) a results directory inside the code's worktree and a dirty code worktree, but
+    for --quick; return the git state."""
+    state = git_state(root)
+    if quick:
+        return state
+    top = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()).resolve()
+    if results.resolve().is_relative_to(top):
+        raise SystemExit(f"--results {results} is inside the code's worktree {top}: its result files would make the "
+                         "tree dirty; write them into another worktree (git worktree add) and commit them there")
+    if not state["clean"]:
+        raise SystemExit(f"the code's worktree {top} is dirty (git status --porcelain, untracked files included): "
+                         "commit or remove the changes first; runs record the commit of the code that made them")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def run_job(job: tuple, options: dict, budget: int | None, work: str, results: str, design: Design) -> str:
+    """One run in its own process with one torch thread: evaluated on the held-out prompts every `eval_every`
+    steps, at the budget step and at the end; writes its result file."""
+    phase, task, setup, arm, build, seed = job
+    state = git_state()
+    if not design.quick and not state["clean"]:
+        raise RuntimeError("the code's worktree is dirty: no run is made from uncommitted code")
+    config = study_one.demo_config(task, setup, design.quick, tasks=TASKS, task_seed=FIRST_TASK_SEED + build)
+    evaluations: list[dict] = []
+
+    def evaluator(models, eval_prompts):
+        from marlhf.demo.pipeline import evaluate_policy
+
+        def after_step(done: int, policy, tokens: int | None) -> None:
+            at_budget = budget is not None and tokens >= budget and not any(e["budget"] for e in evaluations)
+            if done % design.eval_every and not at_budget and done != design.steps:
+                return
+            metrics, samples = evaluate_policy(policy, models.sft, models.reward_model, models.tokenizer, models.task,
+                                               eval_prompts, seed=seed)  # as the demo's final evaluation
+            if models.task.config.gold == "decision":
+                metrics.update(task4_learnable.decision_shares(models.task, samples))
+            evaluations.append({"step": done, "generated_tokens": tokens, "budget": at_budget, **metrics})
+        return after_step
+
+    started = datetime.now(timezone.utc)
+    result = study_one.execute_run(config, Path(work) / "models" / task / f"build{build}", f"{task}/build{build}",
+                                   options, seed, Path(work) / "runs" / Path(*map(str, job)), arm,
+                                   curve_keys=("rollout/tokens", "rollout/mc_tokens", "rollout/generated_tokens",
+                                               "time/generation", "time/advantages", "time/step_seconds"),
+                                   after_step=evaluator)
+    result = {"phase": phase, "task": task, "setup": setup, "arm": arm, "build": build, "seed": seed,
+              "task_options": TASKS[task], "setup_options": SETUPS[setup], **state, "quick": design.quick,
+              "budget": budget, "evaluations": evaluations, "started": started.isoformat(),
+              "finished": datetime.now(timezone.utc).isoformat(), **result}
+    result["generated_tokens"] = generated_tokens(result)
+    return str(study_one.write_result(result_path(Path(results), job), result))
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+def at_budget(result: dict) -> dict:
+    """The evaluation of the primary endpoint: at the budget step (TOK and the equal-steps runs: the last)."""
+    marked = [e for e in result["evaluations"] if e["budget"]]
+    return marked[0] if marked else result["evaluations"][-1]
+
+
+def at_step(result: dict, step: int) -> dict | None:
+    return next((e for e in result["evaluations"] if e["step"] == step), None)
+
+
+def at_kl(result: dict, kl: float) -> dict:
+    """The evaluation closest in held-out KL to `kl` (ties: the earliest)."""
+    return min(result["evaluations"], key=lambda e: (abs(e["kl"] - kl), e["step"]))
+
+
+def right_clue_share(evaluation: dict) -> float:
+    """Task 4: right clue words among the clue words after markers (nan where there are none)."""
+    clue = evaluation.get("clue_words_of_found", math.nan)
+    return evaluation["right_of_found"] / clue if clue and not math.isnan(clue) else math.nan
+
+
+# ---------------------------------------------------------------------------------------------- tuning rule
+def _gain(result: dict, evaluation: dict) -> float:
+    return evaluation["gold_reward"] - result["sft_held_out"]["gold_reward"]
+
+
+def choose(design: Design, results: dict, arm: str) -> str | None:
+    """The tuning rule for one arm: the setting with the highest mean over the tasks of (final held-out gold -
+    SFT's held-out gold), each task the mean over its seeds; ties to the first listed. None until all are in."""
+    stage = tuning_stages(design)[TUNED.index(arm)]
+    if any(job not in results for job in stage):
+        return None
+    scores = tuning_scores(design, results, arm)
+    settings = list(ARMS[arm].settings)
+    return max(settings, key=lambda s: (scores[s], -settings.index(s)))
+
+
+def tuning_scores(design: Design, results: dict, arm: str) -> dict[str, float]:
+    stage = tuning_stages(design)[TUNED.index(arm)]
+    scores = {}
+    for setting in ARMS[arm].settings:
+        per_task = [[_gain(results[j], at_budget(results[j])) for j in stage
+                     if j[3] == f"{arm}+{setting}" and j[1] == task and j in results] for task in design.tasks]
+        scores[setting] = float(np.mean([np.mean(t) for t in per_task])) if all(per_task) else math.nan
+    return scores
+
+
+def choices_so_far(design: Design, results: dict) -> dict:
+    """{"settings": {arm: setting}} of the tuned arms whose stage is complete, with their scores."""
+    settings = {}
+    for arm in TUNED:
+        chosen = choose(design, results, arm)
+        if chosen is None:
+            break
+        settings[arm] = chosen
+    return {"settings": settings, "scores": {arm: tuning_scores(design, results, arm) for arm in settings}}
+
+
+def record_choices(results: Path, choices: dict) -> None:
+    """choices.json, written once before the first confirmation run; later it must agree with the tuning files."""
+    path = results / "choices.json"
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        if recorded["settings"] != choices["settings"]:
+            raise SystemExit(f"{path} disagrees with the tuning results: {recorded['settings']} vs {choices['settings']}")
+        return
+    path.write_text(json.dumps(choices, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def finding(test: dict, margin: float) -> str:
+    """Exactly one of the README's findings from a group's paired test (p_holm, mean, tost_ci, simultaneous_ci)."""
+    p, mean = test["p_holm"], test["mean"]
+    if not math.isnan(p) and p < ALPHA:
+        return "ahead" if mean > 0 else "behind"
+    low, high = test["tost_ci"]
+    if not math.isnan(low) and -margin < low and high < margin:
+        return "equivalent within the margin"
+    low, high = test["simultaneous_ci"]
+    return f"no difference detected; differences beyond ±{max(abs(low), abs(high)):.3f} excluded"
+
+
+def paired_test(diffs: list[float], groups: int) -> dict:
+    """Mean and 95 % t-interval and p of paired differences, the TOST interval (1 - 2 alpha / groups) and the
+    simultaneous 95 % interval (1 - alpha / groups)."""
+    test = paired_t(diffs)
+    test["tost_ci"] = paired_t(diffs, 1 - 2 * ALPHA / groups)["ci"]
+    test["simultaneous_ci"] = paired_t(diffs, 1 - ALPHA / groups)["ci"]
+    return test
+
+
+def compare(design: Design, results: dict) -> dict:
+    """Per arm other than TOK and group: the primary endpoint's paired differences against TOK (by build and
+    seed), their test, Holm over the groups within the arm and the finding; the secondaries beside them."""
+    groups = [(task, setup) for task in design.tasks for setup in design.setups]
+    pairs = [(b, s) for b in design.confirmation_builds for s in design.confirmation_seeds]
+    table = {}
+    for arm in [a for a in design.arms if a != "TOK"]:
+        entries = {}
+        for task, setup in groups:
+            def run(a, b, s, phase="confirmation"):
+                return results.get((phase, task, setup, a, b, s))
+            common = [(b, s) for b, s in pairs if run(arm, b, s) and run("TOK", b, s)]
+            diffs = [at_budget(run(arm, b, s))["gold_reward"] - at_budget(run("TOK", b, s))["gold_reward"]
+                     for b, s in common]
+            entry = {"n": len(common), "vs_tok": paired_test(diffs, len(groups)),
+                     "by_build": {b: float(np.mean([d for d, (bb, _) in zip(diffs, common) if bb == b]))
+                                  if any(bb == b for bb, _ in common) else math.nan
+                                  for b in design.confirmation_builds},
+                     "gold": float(np.mean([at_budget(run(arm, b, s))["gold_reward"] for b, s in common]))
+                     if common else math.nan,
+                     "tok_gold": float(np.mean([at_budget(run("TOK", b, s))["gold_reward"] for b, s in common]))
+                     if common else math.nan}
+            # equal steps: the same runs at step 50, or the Monte-Carlo arms' own 50-step runs
+            phase = "equal_steps" if arm in MC_ARMS else "confirmation"
+            steps = [(b, s) for b, s in pairs if run(arm, b, s, phase) and run("TOK", b, s)
+                     and at_step(run(arm, b, s, phase), design.steps)]
+            entry["equal_steps"] = paired_t([at_step(run(arm, b, s, phase), design.steps)["gold_reward"]
+                                             - at_budget(run("TOK", b, s))["gold_reward"] for b, s in steps])
+            entry["matched_kl"] = paired_t([
+                at_kl(run(arm, b, s), at_budget(run("TOK", b, s))["kl"])["gold_reward"]
+                - at_budget(run("TOK", b, s))["gold_reward"] for b, s in common])
+            entry["budget_step"] = float(np.mean([at_budget(run(arm, b, s))["step"] for b, s in common])) \
+                if common else math.nan
+            entries[f"{task}/{setup}"] = entry
+        adjusted = holm([e["vs_tok"]["p"] for e in entries.values()])
+        for (name, entry), p in zip(entries.items(), adjusted):
+            entry["vs_tok"]["p_holm"] = p
+            entry["finding"] = finding(entry["vs_tok"], MARGINS[name.split("/")[0]]) if entry["n"] >= 2 else "-"
+        table[arm] = entries
+    return table
+
+
+def costs(design: Design, results: dict) -> dict:
+    """Per arm over its confirmation runs: mean run seconds, generated tokens and Monte-Carlo tokens, and the
+    Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations)."""
+    out = {}
+    for arm in design.arms:
+        rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
+        if not rs:
+            continue
+        mc = sum(sum(x or 0 for x in r["curves"].get("rollout/mc_tokens") or []) for r in rs)
+        rollout = sum(sum(r["curves"]["rollout/tokens"]) for r in rs)
+        out[arm] = {"runs": len(rs), "run_seconds": float(np.mean([r["run_seconds"] for r in rs])),
+                    "generated_tokens": float(np.mean([r["generated_tokens"] for r in rs])),
+                    "mc_tokens": mc / len(rs),
+                    "rollout_tokens_per_s": rollout / sum(sum(r["curves"]["time/generation"]) for r in rs),
+                    "mc_tokens_per_s": mc / sum(sum(r["curves"]["time/advantages"]) for r in rs) if mc else math.nan}
+    return out
+
+
+def clue_shares(design: Design, results: dict) -> dict:
+    """Task 4: each arm's share of right clue words among clue words after markers at the primary endpoint."""
+    out = {}
+    for setup in design.setups:
+        for arm in design.arms:
+            rs = [r for k, r in results.items() if k[:4] == ("confirmation", "task4", setup, arm)]
+            if rs:
+                out[f"task4/{setup}/{arm}"] = float(np.nanmean([right_clue_share(at_budget(r)) for r in rs]))
+    return out
+
+
+def wall_time(results: dict, workers: int = 2) -> dict:
+    """The budget's clock. The study runs in sittings (sessions of a few hours), so the span from the first result
+    file to the last includes the time between sittings; the budget counts the runs' own time at two at a time
+    (the sum of each run's finished - started, over 2), and both are reported."""
+    runs = [r for r in results.values() if "finished" in r]
+    if not runs:
+        return {"hours": 0.0, "span_hours": 0.0}
+    times = sorted(datetime.fromisoformat(r["finished"]) for r in runs)
+    busy = sum((datetime.fromisoformat(r["finished"]) - datetime.fromisoformat(r["started"])).total_seconds()
+               for r in runs)
+    return {"first": times[0].isoformat(), "last": times[-1].isoformat(), "hours": busy / workers / 3600,
+            "span_hours": (times[-1] - times[0]).total_seconds() / 3600}
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def load_results(results: Path) -> dict[tuple, dict]:
+    """Every result file (Study II's loader: one build's runs must share their models); confirmation files
+    (confirmation, equal_steps) must all come from one commit of a clean tree."""
+    out = study_two.load_results(results)
+    commits = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] != "tuning" and not r.get("quick")}
+    if len(commits) > 1:
+        raise SystemExit(f"confirmation result files come from more than one commit: {sorted(commits)}")
+    return out
+
+
+def summarize(design: Design, results_dir: Path) -> dict:
+    results = load_results(results_dir)
+    choices = choices_so_far(design, results)
+    table = compare(design, results) if len(choices["settings"]) == len(TUNED) else {}
+    summary = {"choices": choices, "comparison": table, "costs": costs(design, results),
+               "clue_shares": clue_shares(design, results), "wall_time": wall_time(results), "runs": len(results)}
+    f = study_two._f
+    lines = ["# Study III: segments against a tuned token-level PPO at an equal token budget", "",
+             "Generated by `python benchmarks/credit_segments.py --summarize` from the result files; do not edit. "
+             f"Design: README.md (design commit {DESIGN_COMMIT}).", "",
+             f"Result files: {len(results)}. Run time at two runs at a time: {summary['wall_time']['hours']:.1f} h "
+             f"(budget {BUDGET_HOURS:g} h{'; overrun' if summary['wall_time']['hours'] > BUDGET_HOURS else ''}); "
+             f"from the first result file to the last, sittings and the time between them: "
+             f"{summary['wall_time']['span_hours']:.1f} h.",
+             "Commits: " + ", ".join(sorted({f"{r['commit'][:7]} ({'clean' if r['clean'] else 'dirty'})"
+                                              for r in results.values()})), "",
+             "## Tuning (build 0, gold_sft)", "", f"Chosen: {choices['settings']}; scores {choices['scores']}", ""]
+    if table:
+        lines += ["## Primary: held-out gold at TOK's budget of generated tokens", "",
+                  "Arm - TOK paired by (build, seed): mean [95 % t], p (Holm over the 6 groups), TOST interval "
+                  f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondaries: equal steps, matched KL.", "",
+                  "| arm | group | pairs | arm | TOK | arm - TOK | by build | p (Holm) | TOST interval | finding "
+                  "| equal steps | matched KL | budget step |", "|---" * 13 + "|"]
+        for arm, entries in table.items():
+            for group, e in entries.items():
+                t = e["vs_tok"]
+                lines.append(f"| {arm} | {group} | {e['n']} | {f(e['gold'])} | {f(e['tok_gold'])} | {study_two._ci(t)} "
+                             f"| {', '.join(f(v) for v in e['by_build'].values())} | {f(t['p'])} ({f(t['p_holm'])}) "
+                             f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
+                             f"| {study_two._ci(e['equal_steps'])} | {study_two._ci(e['matched_kl'])} "
+                             f"| {f(e['budget_step'], 1)} |")
+        lines.append("")
+    lines += ["## Cost", "", "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
+              f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} |" for arm, c in summary["costs"].items()]
+    lines += ["", "## Task 4: right clue words among clue words after markers (primary endpoint)", ""]
+    lines += [f"- {k}: {f(v)}" for k, v in summary["clue_shares"].items()]
+    (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    (results_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    if table:
+        plot(table, results_dir)
+    return summary
+
+
+def plot(table: dict, results_dir: Path) -> Path:
+    """Per group, each arm's paired difference against TOK at the budget (95 % t-interval)."""
+    from marlhf.evaluation.plots import pyplot
+
+    plt = pyplot()
+    groups = list(next(iter(table.values())))
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups), 3.6), squeeze=False, layout="constrained")
+    for ax, group in zip(axes[0], groups):
+        for y, arm in enumerate(table):
+            t = table[arm][group]["vs_tok"]
+            low, high = t["ci"]
+            color = {"ahead": "tab:green", "behind": "tab:red"}.get(table[arm][group]["finding"], "tab:gray")
+            ax.errorbar([t["mean"]], [y], xerr=None if math.isnan(low) else [[t["mean"] - low], [high - t["mean"]]],
+                        fmt="o", color=color)
+        ax.axvline(0.0, color="black", lw=0.8)
+        ax.set_yticks(range(len(table)), list(table) if ax is axes[0][0] else [""] * len(table))
+        ax.set_title(group, fontsize=9)
+        ax.set_xlabel("gold minus TOK at TOK's token budget")
+    path = results_dir / "paired_differences.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _run(jobs: list[tuple], design: Design, choices: dict | None, work: Path, results: Path, workers: int) -> int:
+    done = load_results(results)
+    calls = {}
+    for job in jobs:
+        source = budget_job(job, choices)
+        budget = generated_tokens(done[source]) if source is not None else None
+        calls[job] = (run_job, (job, job_options(job, design, choices, budget), budget, str(work), str(results),
+                                design))
+    return study_one.run_in_pool(calls, workers, "study III runs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="bench_credit_segments", help="models and run directories")
+    parser.add_argument("--results", default=str(DEFAULT_RESULTS),
+                        help="one JSON per finished run, choices.json, summary.md, summary.json, figures; outside the "
+                             "code's worktree (another git worktree) for every run but --quick's")
+    parser.add_argument("--workers", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument("--max_runs", type=int, default=None, help="stop after starting this many new runs")
+    parser.add_argument("--summarize", action="store_true", help="only write the tables and figures")
+    parser.add_argument("--quick", action="store_true", help="the tiny design with tiny sizes (the test's)")
+    arguments = parser.parse_args(argv)
+    if arguments.workers < 1:
+        parser.error("--workers must be >= 1")
+    design = QUICK_DESIGN if arguments.quick else DESIGN
+    work, results = Path(arguments.work), Path(arguments.results)
+    if arguments.summarize:
+        summarize(design, results)
+        print(f"wrote {results / 'summary.md'}")
+        return 0
+    check_provenance(results, arguments.quick)
+    results.mkdir(parents=True, exist_ok=True)
+    budget = math.inf if arguments.max_runs is None else arguments.max_runs
+    failed = 0
+    stages = tuning_stages(design)
+    for index in range(len(stages) + len(confirmation_stages(design))):
+        done = load_results(results)
+        choices = choices_so_far(design, done)
+        if index < len(stages):
+            if len(choices["settings"]) < index:
+                break  # an earlier tuning stage is incomplete: its choice is needed
+            jobs = stages[index]
+        else:
+            if len(choices["settings"]) < len(TUNED):
+                break  # tuning incomplete
+            record_choices(results, choices)
+            jobs = confirmation_stages(design)[index - len(stages)]
+        todo = [j for j in jobs if j not in done]
+        print(f"study III stage {index + 1}: {len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run",
+              flush=True)
+        todo = todo[: int(min(budget, len(todo)))]
+        if not todo:
+            if len(todo) < len([j for j in jobs if j not in done]):
+                break  # --max_runs spent
+            continue
+        budget -= len(todo)
+        failed += _run(todo, design, choices, work, results, arguments.workers)
+        if failed:
+            break  # a later stage needs this one's runs
+    summarize(design, results)
+    print(f"wrote {results / 'summary.md'}" + (f"; {failed} runs failed (they run again next time)" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

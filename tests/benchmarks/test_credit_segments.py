@@ -1,0 +1,146 @@
+"""Study III (`benchmarks/credit_segments.py`): the pre-registered design, the tuning rule, the findings, the token
+budget's pairing, the refusal of a dirty tree, and the tiny version end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import credit_segments as study  # noqa: E402
+
+CHOICES = {"settings": {"TOK": "lam1", "MA5": "lam0.95", "MA-LP": "threshold0.9", "MC5": "K4"}}
+
+
+def test_the_design_is_the_pre_registered_one():
+    design = study.DESIGN
+    tuning = [j for stage in study.tuning_stages(design) for j in stage]
+    assert len(tuning) == 48 and {j[2] for j in tuning} == {"gold_sft"} and {(j[4], j[5]) for j in tuning} == {
+        (0, 0), (0, 1)}
+    assert [s[0][3].split("+")[0] for s in study.tuning_stages(design)] == ["TOK", "MA5", "MA-LP", "MC5"]
+    stages = study.confirmation_stages(design)
+    assert {j[3] for j in stages[0]} == {"TOK"} and len(stages[0]) == 6 * 12
+    assert [{j[4] for j in s} for s in stages[1:4]] == [{1}, {2}, {3}]
+    assert sum(len(s) for s in stages[:4]) == 8 * 6 * 12 and len(stages[4]) == 48
+    assert {j[3] for j in stages[4]} == {"MC5", "MC-LP"} and stages[4][0][0] == "equal_steps"
+    assert study.KL_TARGETS == {("task1_long", "gold_sft"): 4, ("task1_long", "rm_rm"): 10, ("task3", "gold_sft"): 9,
+                                ("task3", "rm_rm"): 11, ("task4", "gold_sft"): 8, ("task4", "rm_rm"): 11}
+    assert study.TASKS["task4"] == {"num_words": 20, "gold": "decision"} and study.TASKS["task1_long"]["num_words"] == 60
+    assert study.MARGINS == {"task1_long": 0.03, "task3": 0.03, "task4": 0.015}
+    # every arm's options are PPOConfig's (plug-in option names checked), each sampling 32 responses a step
+    from marlhf.trainers.ppo_config import PPOConfig
+    for arm in design.arms:
+        for setting in study.ARMS[arm].settings or [""]:
+            options = study.arm_options(f"{arm}+{setting}" if setting else arm, CHOICES)
+            samples = options.get("num_samples_per_prompt", 1)
+            PPOConfig(**options, per_device_batch_size=32 // samples, mini_batch_size=16, kl_target=8.0,
+                      kl_horizon=160).validate()
+    assert study.arm_options("MA-LP", CHOICES)["lam"] == 0.95
+    mc_lp = study.arm_options("MC-LP", CHOICES)
+    assert mc_lp == {"termination": "low_prob", "termination_options": {"threshold": 0.9, "interval": 1,
+                                                                        "min_tokens": None, "max_tokens": None},
+                     "advantage": "mc_segment", "advantage_options": {"mc_samples": 4, "max_boundaries": 4}}
+    assert study.arm_options("TEMPO", CHOICES)["advantage_options"] == {"normalize_std": True}
+
+
+def test_the_token_budget_pairs_each_run_with_tok():
+    assert study.budget_job(("tuning", "task3", "gold_sft", "MA5+lam1", 0, 1), CHOICES) == (
+        "tuning", "task3", "gold_sft", "TOK+lam1", 0, 1)
+    assert study.budget_job(("confirmation", "task4", "rm_rm", "MC5", 2, 12), CHOICES) == (
+        "confirmation", "task4", "rm_rm", "TOK", 2, 12)
+    assert study.budget_job(("confirmation", "task4", "rm_rm", "TOK", 2, 12), CHOICES) is None
+    assert study.budget_job(("equal_steps", "task4", "rm_rm", "MC5", 1, 12), CHOICES) is None
+    mc = study.job_options(("confirmation", "task3", "rm_rm", "MC-LP", 1, 10), study.DESIGN, CHOICES, 5000)
+    assert (mc["min_generated_tokens"], mc["max_generated_tokens"], mc["kl_target"]) == (5000, 5000, 11.0)
+    later = study.job_options(("confirmation", "task3", "rm_rm", "GRPO", 1, 10), study.DESIGN, CHOICES, 5000)
+    assert later["min_generated_tokens"] == 5000 and "max_generated_tokens" not in later  # and max_steps 50
+    tuning = study.job_options(("tuning", "task3", "gold_sft", "MA5+lam1", 0, 0), study.DESIGN, CHOICES, 5000)
+    assert tuning["max_generated_tokens"] == 5000 and tuning["lam"] == 1.0
+    tok = study.job_options(("confirmation", "task3", "gold_sft", "TOK", 1, 10), study.DESIGN, CHOICES, None)
+    assert "min_generated_tokens" not in tok and tok["kl_horizon"] == 160
+    assert study.generated_tokens({"curves": {"rollout/tokens": [10, 12], "rollout/mc_tokens": [30, None]}}) == 52
+
+
+def _run(arm, task, seed, gold, sft=0.1):
+    return {"evaluations": [{"step": 50, "budget": False, "gold_reward": gold, "kl": 1.0}],
+            "sft_held_out": {"gold_reward": sft}}
+
+
+def test_the_tuning_rule_takes_the_best_mean_gain_and_the_first_on_ties():
+    design = study.DESIGN
+    results = {}
+    for job in study.tuning_stages(design)[0]:
+        gain = {"lam0.95": 0.2, "lam1": 0.3}[job[3].split("+")[1]] if job[1] == "task3" else 0.1
+        results[job] = _run(job[3], job[1], job[5], 0.1 + gain)
+    assert study.choose(design, results, "TOK") == "lam1"
+    for job in study.tuning_stages(design)[1]:
+        results[job] = _run(job[3], job[1], job[5], 0.3)  # a tie
+    assert study.choices_so_far(design, results)["settings"] == {"TOK": "lam1", "MA5": "lam0.95"}
+    del results[study.tuning_stages(design)[1][0]]
+    assert study.choose(design, results, "MA5") is None
+
+
+def test_the_findings():
+    base = {"mean": 0.0, "p_holm": 0.5, "tost_ci": (-0.01, 0.02), "simultaneous_ci": (-0.012, 0.025)}
+    assert study.finding({**base, "mean": 0.04, "p_holm": 0.01}, 0.03) == "ahead"
+    assert study.finding({**base, "mean": -0.04, "p_holm": 0.049}, 0.03) == "behind"
+    assert study.finding(base, 0.03) == "equivalent within the margin"
+    assert study.finding(base, 0.015) == "no difference detected; differences beyond ±0.025 excluded"
+    test = study.paired_test([0.01, -0.02, 0.03, 0.0, 0.01, 0.02, -0.01, 0.0, 0.02, 0.01, 0.0, 0.01], 6)
+    assert test["simultaneous_ci"][0] < test["tost_ci"][0] < test["ci"][0]  # 99.2 % > 98.3 % > 95 %
+
+
+def test_a_dirty_tree_and_results_inside_it_are_refused(tmp_path):
+    repo = tmp_path / "code"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    assert study.check_provenance(tmp_path / "results", False, root=repo)["clean"]
+    with pytest.raises(SystemExit, match="inside the code's worktree"):
+        study.check_provenance(repo / "results", False, root=repo)
+    (repo / "b.py").write_text("untracked code counts\n")
+    with pytest.raises(SystemExit, match="dirty"):
+        study.check_provenance(tmp_path / "results", False, root=repo)
+    assert not study.check_provenance(tmp_path / "results", True, root=repo)["clean"]  # --quick runs anyway
+
+
+def test_summarize_refuses_confirmation_files_of_two_commits(tmp_path):
+    for seed, commit in ((10, "a" * 40), (11, "b" * 40)):
+        job = ("confirmation", "task4", "gold_sft", "TOK", 1, seed)
+        path = study.result_path(tmp_path, job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"phase": job[0], "task": job[1], "setup": job[2], "arm": job[3], "build": 1,
+                                    "seed": seed, "commit": commit, "clean": True}))
+    with pytest.raises(SystemExit, match="more than one commit"):
+        study.summarize(study.DESIGN, tmp_path)
+
+
+def test_the_tiny_study_end_to_end(tmp_path):
+    """--quick: tuning stage by stage, choices.json, TOK, the other arms at TOK's budget, the equal-steps runs,
+    the summary; a second call runs nothing."""
+    args = ["--quick", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "results")]
+    assert study.main(args) == 0
+    results = tmp_path / "results"
+    choices = json.loads((results / "choices.json").read_text())
+    assert set(choices["settings"]) == {"TOK", "MA5", "MA-LP", "MC5"}
+    files = sorted(results.glob("*/*/*/*/build*-seed*.json"))
+    assert len(files) == 8 + 2 + 3 * 2 + 2
+    runs = {(r["phase"], r["arm"], r["seed"]): r for r in map(lambda p: json.loads(p.read_text()), files)}
+    tok = runs[("confirmation", "TOK", 10)]
+    assert tok["budget"] is None and [e["step"] for e in tok["evaluations"]] == [2, 3]
+    mc = runs[("confirmation", "MC-LP", 10)]
+    assert mc["budget"] == tok["generated_tokens"] and mc["generated_tokens"] >= mc["budget"]
+    assert mc["curves"]["rollout/generated_tokens"][-2] < mc["budget"] if len(mc["steps"]) > 1 else True
+    assert study.at_budget(mc)["step"] == mc["steps"][-1] and sum(mc["curves"]["rollout/mc_tokens"]) > 0
+    grpo = runs[("confirmation", "GRPO", 10)]
+    assert grpo["steps"][-1] >= 3 and study.at_step(grpo, 3) is not None  # to the later of the budget and step 3
+    assert "right_of_found" in tok["evaluations"][-1] and tok["commit"] and "clean" in tok
+    assert (results / "summary.md").exists() and (results / "paired_differences.png").exists()
+    assert study.main(args) == 0 and len(sorted(results.glob("*/*/*/*/build*-seed*.json"))) == len(files)
