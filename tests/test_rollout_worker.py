@@ -160,3 +160,19 @@ def test_no_worker_outlives_its_trainer(signal_number, tmp_path):
     finally:
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_a_trainer_read_from_stdin_can_start_a_worker(tmp_path):
+    """`python - <<EOF` (a heredoc, as benchmarks/gpu.sh runs its trainer) has no main script for spawn to re-run."""
+    script = f"""
+from marlhf.engines import HFOptions
+from marlhf.engines.worker import RolloutWorker, WorkerSpec
+worker = RolloutWorker(WorkerSpec("hf", HFOptions(), 64, 1, {str(tmp_path / 'w.log')!r}, 0, 60))
+worker._put(("stop",))
+worker.process.join(60)
+print("exit", worker.process.exitcode)
+worker.close()
+"""
+    result = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+    assert result.stdout.strip().endswith("exit 0"), result.stderr[-2000:]

@@ -72,7 +72,8 @@ class RolloutWorker:
         self.results = context.Queue()
         self.process = context.Process(target=_serve, args=(spec, os.getpid(), self.requests, self.results),
                                        name=f"marlhf-rollout-worker-{spec.index}", daemon=True)
-        self.process.start()
+        with _main_path_kept_if_it_exists():
+            self.process.start()
         self.has_model = False
         self.pending: dict[int, tuple] = {}  # results that arrived before they were asked for
         self._sent: list = []  # the last message's shared tensors, kept alive until the worker has them
@@ -219,6 +220,22 @@ def _serve(spec: WorkerSpec, parent_pid: int, requests, results) -> None:
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
+
+
+@contextlib.contextmanager
+def _main_path_kept_if_it_exists():
+    """spawn re-runs the trainer's main script in the child from its path: a main read from stdin (`python -`,
+    a heredoc) has none ('<stdin>'), so for the start it is hidden and the child runs no main, as for `python -c`."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _die_with_parent(parent_pid: int) -> None:
