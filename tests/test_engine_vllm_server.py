@@ -105,7 +105,8 @@ class _Recording:
 
 def test_weights_travel_over_gloo_and_only_what_changed(tiny_tokenizer):
     """A server on 127.0.0.1 whose engine records what it loads: all tensors first, then the trainable
-    buckets only, each equal to the trainer's; its rollouts then match the trainer's own HF sampling."""
+    buckets only, each equal to the trainer's; its rollouts then match the trainer's own HF sampling; once it is
+    stopped, a rollout fails with one line."""
     trainer = _model(tiny_tokenizer)
     served = _model(tiny_tokenizer, head_scale=1.0)  # other weights until the first sync
     server = VLLMServer(_Recording(served), "127.0.0.1", 0, _free_port())
@@ -138,6 +139,9 @@ def test_weights_travel_over_gloo_and_only_what_changed(tiny_tokenizer):
         server.stop()
         loop.join(30)
     assert not loop.is_alive()
+    with pytest.raises(MarlhfError, match="did not answer /generate") as error:  # a server gone mid-run: one line
+        _generate(client, tiny_tokenizer, [1, 2, 3, 4])
+    assert "\n" not in str(error.value)
 
 
 # ---- in the vLLM venv --------------------------------------------------------------------------------------

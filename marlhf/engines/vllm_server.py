@@ -142,6 +142,12 @@ class VLLMServerEngine:
             with contextlib.suppress(Exception):
                 detail = json.loads(detail)["error"]
             raise MarlhfError(f"vllm-serve at {self.options.url} refused {path}: {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            if path == "/health":
+                raise  # _wait_for_server tries again
+            reason = getattr(error, "reason", error)
+            raise MarlhfError(f"vllm-serve at {self.options.url} did not answer {path} ({reason}; the vllm_server "
+                              f"option timeout is {self.options.timeout:g} s): is it still running?") from None
 
     def _wait_for_server(self) -> dict:
         """The server's /health, tried until connect_timeout: else one line naming the URL and what to do."""
