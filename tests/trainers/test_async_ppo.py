@@ -237,3 +237,26 @@ def _tiny_model_dir(tmp_path):
     build_tiny_causal_lm(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def test_without_a_last_step_the_workers_keep_k_steps_ahead():
+    """A token budget (min_generated_tokens) may draw a run out past its plan: StaleRollouts with no last step."""
+    worker = _FakeWorker()
+    request = lambda step: RolloutRequest(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                                          [step, step])
+    rollouts = StaleRollouts([worker], 1, 0, None, request, dict(pad_token_id=0))
+    for step in range(6):
+        assert rollouts.generation(step, types.SimpleNamespace(version=step)).response_ids[0, 0].item() == step
+    assert worker.sampled_by == {t: behaviour_version(t, 1) for t in range(7)}  # step 6 asked for, never used
+
+
+def test_staleness_1_runs_past_the_plan_under_a_token_budget(tmp_path):
+    """4 planned steps of at most 4 x 8 tokens cannot reach 129 tokens: the run goes on, its workers with it."""
+    config = _config(tmp_path, output_dir=str(tmp_path / "budget"), per_device_batch_size=4, mini_batch_size=2,
+                     max_steps=4, max_staleness=1, rollout_workers=1, min_generated_tokens=129,
+                     max_generated_tokens=129)
+    train_ppo(config, RECORDS, policy=build_tiny_causal_lm(build_tiny_tokenizer()), tokenizer=build_tiny_tokenizer(),
+              reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "budget")
+    assert len(metrics) >= 5 and metrics[-1]["rollout/generated_tokens"] >= 129
+    assert [m["rollout/staleness"] for m in metrics[1:]] == [1.0] * (len(metrics) - 1)
