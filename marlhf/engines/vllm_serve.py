@@ -44,10 +44,14 @@ def run(arguments: argparse.Namespace) -> int:
                           gpu_memory_utilization=arguments.gpu_memory_utilization,
                           engine_kwargs=arguments.engine_kwargs)
     engine = VLLMEngine(EngineContext(options=options))
+    try:  # the port first: a taken one stops the command before the model loads
+        server = VLLMServer(engine, arguments.host, arguments.port, arguments.group_port)
+    except OSError as error:
+        raise MarlhfError(f"vllm-serve cannot listen on {arguments.host}:{arguments.port} ({error.strerror}): "
+                          "choose another --port or --host") from None
     model = AutoModelForCausalLM.from_pretrained(arguments.model, dtype=arguments.dtype).eval()
     engine.sync_weights(model)
-    engine.build()
-    server = VLLMServer(engine, arguments.host, arguments.port, arguments.group_port)
+    engine.build()  # requests that come meanwhile wait for it (they are served once the job loop runs)
     print(f"vllm-serve: {arguments.model} at http://{arguments.host}:{server.port} (weight group port "
           f"{arguments.group_port}); Ctrl-C stops it", flush=True)
     server.serve()
