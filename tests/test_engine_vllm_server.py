@@ -2,7 +2,8 @@
 
 Everywhere: the options, an unreachable URL (one line, under 15 s, before a PPO run writes anything), and the
 weight path on 127.0.0.1 with gloo against a server whose engine is a recording stand-in (no vLLM): the first
-sync sends every tensor, later ones only the buckets training can change, each tensor intact. In the vLLM venv
+sync sends every tensor, later ones only the buckets training can change, each tensor intact (with LoRA: the
+merged layers, then the adapted ones only). In the vLLM venv
 (scripts/ci_vllm.sh runs this file there and fails on a skip): `marlhf vllm-serve` in its own process against
 the colocated vllm engine, before and after a weight sync (same tokens, log-probs within test_engine_vllm's
 TOL), stopped by SIGTERM with exit 0; and the vllm engine inside a RolloutWorker against the colocated one.
@@ -10,6 +11,7 @@ TOL), stopped by SIGTERM with exit 0; and the vllm engine inside a RolloutWorker
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -25,6 +27,7 @@ import torch
 from marlhf.engines import EngineContext, Generation, HFEngine, VLLMServerEngine, VLLMServerOptions, get_engine
 from marlhf.engines.vllm_serve import VLLMServer
 from marlhf.errors import MarlhfError
+from marlhf.modeling import add_lora, merge_lora
 from tests.test_engine_vllm import RECORDS, SAMPLING, TOL, _model, needs_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +145,33 @@ def test_weights_travel_over_gloo_and_only_what_changed(tiny_tokenizer):
     with pytest.raises(MarlhfError, match="did not answer /generate") as error:  # a server gone mid-run: one line
         _generate(client, tiny_tokenizer, [1, 2, 3, 4])
     assert "\n" not in str(error.value)
+
+
+def test_a_lora_policy_sends_its_merged_layers_and_then_only_those(tiny_tokenizer):
+    """With LoRA the server gets the merged weights under the base model's names, then the adapted layers only."""
+    trainer = add_lora(_model(tiny_tokenizer), r=4, alpha=8.0, target_modules=("q_proj",))
+    with torch.no_grad():  # adapters that change the weights (peft starts B at 0)
+        for name, parameter in trainer.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    served = _model(tiny_tokenizer, head_scale=1.0)
+    server = VLLMServer(_Recording(served), "127.0.0.1", 0, _free_port())
+    loop = threading.Thread(target=server.serve, daemon=True)
+    loop.start()
+    try:
+        client = VLLMServerEngine(EngineContext(options=VLLMServerOptions(
+            url=f"http://127.0.0.1:{server.port}", group_port=server.group_port, timeout=60)))
+        client.sync_weights(trainer)
+        assert not any("lora" in name or "base_layer" in name for name in client.last_sync)
+        merged = merge_lora(copy.deepcopy(trainer)).state_dict()
+        for name, tensor in served.state_dict().items():
+            assert torch.allclose(tensor, merged[name], atol=1e-6), name
+        client.sync_weights(trainer)
+        assert client.last_sync and all(".layers." in name for name in client.last_sync)  # no embeddings or head
+        client.close()
+    finally:
+        server.stop()
+        loop.join(30)
 
 
 # ---- in the vLLM venv --------------------------------------------------------------------------------------
