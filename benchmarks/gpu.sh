@@ -7,7 +7,9 @@
 # sampling options (sampling_noise x kv_cache) side by side, and vs_trl.py's comparisons with TRL (PPO against
 # TRL 0.26, GRPO and RLOO against TRL 1.16, on the GPU) for each TRL venv that exists (.venv-trl, .venv-trl116).
 # When vLLM imports in VLLM_PYTHON (default .venv-vllm/bin/python if it exists, else PYTHON; vLLM needs its own
-# venv, docs/vllm.md), generation.py and ppo_step.py once more with --engine vllm.
+# venv, docs/vllm.md), generation.py and ppo_step.py once more with --engine vllm. The PPO throughput is also
+# measured with bounded staleness (max_staleness 1, one rollout worker) and, with vLLM, with the rollouts from
+# `marlhf vllm-serve` on the same GPU (rollout_engine vllm_server); vs_trl.py's PPO line runs with --async.
 #
 #   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
 #   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
@@ -18,9 +20,17 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo pyth
 VLLM_PYTHON=${VLLM_PYTHON:-$([ -x .venv-vllm/bin/python ] && echo .venv-vllm/bin/python || echo "$PYTHON")}
 TINY=0
 if [[ "${1:-}" == "--tiny" ]]; then TINY=1; fi
-TINY=$TINY BATCH=${BATCH:-32} NEW_TOKENS=${NEW_TOKENS:-128} STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} \
-  TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" - <<'PY'
+# ppo_throughput MODE: sync (the engine in the trainer), async (max_staleness 1, one rollout worker process) or
+# server (rollout_engine vllm_server: `marlhf vllm-serve` started with VLLM_PYTHON on the same GPU, weights over
+# gloo; NCCL needs the two ends on different GPUs)
+ppo_throughput() {
+TINY=$TINY MODE=$1 VLLM_PYTHON=$VLLM_PYTHON BATCH=${BATCH:-32} NEW_TOKENS=${NEW_TOKENS:-128} STEPS=${STEPS:-5} \
+  WARMUP=${WARMUP:-2} TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" - <<'PY'
+import contextlib
 import os
+import signal
+import socket
+import subprocess
 import random
 import statistics
 import tempfile
@@ -47,7 +57,7 @@ vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(v
 backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
 backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if tiny else
+size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1) if tiny else
         dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12))
 
 
@@ -64,11 +74,45 @@ rng = random.Random(0)
 prompts = [{"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(rng.randint(32, 64)))}
            for _ in range(batch * (steps + warmup))]
 on_gpu = torch.cuda.is_available()
-with tempfile.TemporaryDirectory() as output_dir:
+mode = os.environ["MODE"]
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def engine_options(directory):
+    """The mode's PPOConfig options; for the server mode, `marlhf vllm-serve` running meanwhile."""
+    if mode == "async":
+        yield dict(max_staleness=1, rollout_workers=1, rollout_worker_threads=torch.get_num_threads())
+        return
+    if mode != "server":
+        yield {}
+        return
+    policy.save_pretrained(f"{directory}/policy")
+    tokenizer.save_pretrained(f"{directory}/policy")
+    port, group_port = free_port(), free_port()
+    memory = ["--gpu_memory_utilization", "0.3"] if on_gpu else ["--kv_cache_gib", "1"]
+    server = subprocess.Popen([os.environ["VLLM_PYTHON"], "-m", "marlhf", "vllm-serve", "--model", f"{directory}/policy",
+                               "--port", str(port), "--group_port", str(group_port), *memory],
+                              stdout=open(f"{directory}/server.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        yield dict(rollout_engine="vllm_server", rollout_engine_options=dict(
+            url=f"http://127.0.0.1:{port}", group_port=group_port, backend="gloo", connect_timeout=900))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(120)
+
+
+with tempfile.TemporaryDirectory() as output_dir, engine_options(output_dir) as options:
     config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=batch,
                        mini_batch_size=batch, max_prompt_length=64, max_response_length=new_tokens,
                        max_length=64 + new_tokens, max_steps=steps + warmup, ngram=5, save_steps=0,
-                       mixed_precision="bf16" if on_gpu else "no", learning_rate=1e-5, critic_learning_rate=1e-5)
+                       mixed_precision="bf16" if on_gpu else "no", learning_rate=1e-5, critic_learning_rate=1e-5,
+                       **options)
     train_ppo(config, prompts, policy=policy, reward_model=reward_model, tokenizer=tokenizer)
     metrics = read_metrics(output_dir)[warmup:]
 
@@ -81,10 +125,27 @@ print(f"policy {parameters / 1e6:.1f}M parameters (x4 models), batch {batch}, {n
       f"{len(metrics)} steps after {warmup} warm-up")
 for phase in ("generation", "scoring", "update"):
     print(f"  time/{phase}: {statistics.mean(m[f'time/{phase}'] for m in metrics):.3f} s")
-print(f"PPO throughput: {1 / seconds:.3f} steps/s, {tokens / seconds:.0f} sampled tokens/s")
+what = {"sync": "PPO throughput", "async": "async PPO throughput (max_staleness 1, 1 rollout worker)",
+        "server": "PPO throughput, rollouts from vllm-serve"}[mode]
+print(f"{what}: {1 / seconds:.3f} steps/s, {tokens / seconds:.0f} sampled tokens/s")
+if mode == "async":
+    print(f"  rollout/staleness {statistics.mean(m['rollout/staleness'] for m in metrics):.2f}, trainer's wait "
+          f"{statistics.mean(m['time/rollout_wait'] for m in metrics):.3f} s a step, the worker "
+          f"{statistics.mean(m['time/rollout_worker_tokens_per_s'] for m in metrics):.0f} tokens/s (its hf engine "
+          "samples on the CPU)")
 if on_gpu:
     print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 PY
+}
+ppo_throughput sync
+echo; echo "== bounded-staleness PPO (max_staleness 1, one rollout worker; docs/async.md)"
+ppo_throughput async
+echo; echo "== PPO with its rollouts from marlhf vllm-serve (rollout_engine vllm_server)"
+if "$VLLM_PYTHON" -c "import vllm" >/dev/null 2>&1; then
+  ppo_throughput server
+else
+  echo "skipped: vllm does not import in $VLLM_PYTHON (make a vLLM venv as docs/vllm.md says; VLLM_PYTHON=...)"
+fi
 
 if [[ $TINY == 1 ]]; then
   STEP_ARGS=(--batch 4 --mini-batch 4 --new-tokens 8 --steps 1 --warmup 0 --gemm-size 256); GEN_ARGS=(--batch 4 --new-tokens 8 --rounds 1)
@@ -112,7 +173,7 @@ else  # the paper's shape: 32 rows in 8 accumulation pieces, prompts of 32-256 t
 fi
 for trainer in ppo grpo rloo; do
   echo; echo "== marlhf against TRL, $trainer (benchmarks/vs_trl.py)"
-  if [[ $trainer == ppo ]]; then venv=.venv-trl; ARGS=("${PPO_ARGS[@]}"); else venv=.venv-trl116; ARGS=(--trainer "$trainer" "${GROUP_ARGS[@]}"); fi
+  if [[ $trainer == ppo ]]; then venv=.venv-trl; ARGS=("${PPO_ARGS[@]}" --async); else venv=.venv-trl116; ARGS=(--trainer "$trainer" "${GROUP_ARGS[@]}"); fi
   if [[ -x $venv/bin/python ]]; then
     "$PYTHON" benchmarks/vs_trl.py "${ARGS[@]}"
   else

@@ -66,6 +66,11 @@ length-sorted pieces with their common padding cut; TRL takes log-probs with its
 also computes per-token entropies, and gathers its per-step metrics; the prompt pipelines (tokenisation,
 datasets and RepeatSampler in TRL) are each side's own.
 Measured as for PPO; TRL's mean response length is its completions/mean_length metric.
+
+`--async` adds a third side, marlhf with bounded staleness (docs/async.md): max_staleness 1, one rollout worker
+process of `--threads` torch threads generating the next step's batch while the trainer (`--threads` threads)
+trains, the loss's decoupled-PPO correction; its line gives its throughput against TRL's (the issue's target:
+2x). It uses twice the threads of the other two sides, as the synchronous run with 2 threads would.
 """
 
 from __future__ import annotations
@@ -181,6 +186,8 @@ def run_marlhf(args) -> dict:
         options = dict(mini_batch_size=args.batch, ngram=1, kl_coef=KL_COEF)
     else:  # critic-free: no reward model or critic, the Python reward
         scorer, options = dict(reward_fn=count_reward), group_options(args)
+    if args.side == "marlhf-async":  # a rollout worker one step ahead (docs/async.md)
+        options.update(max_staleness=1, rollout_workers=1, rollout_worker_threads=args.threads)
     prompts = [{"prompt": text} for text in prompt_texts(args.batch * (args.warmup + args.steps), args.prompt_lengths)]
     with tempfile.TemporaryDirectory() as output_dir:
         config = PPOConfig(output_dir=output_dir, model_name_or_path="benchmark", per_device_batch_size=args.batch,
@@ -197,7 +204,8 @@ def run_marlhf(args) -> dict:
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "peak_gpu_mib": peak_gpu_mib(),
             "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
-            "environment": {**environment(policy), "kv_cache": config.kv_cache} if args.trainer == "ppo" else {
+            "environment": {**environment(policy), "kv_cache": config.kv_cache, "max_staleness": config.max_staleness,
+                            "rollout_workers": config.rollout_workers} if args.trainer == "ppo" else {
                 **environment(policy), "mixed_precision": config.mixed_precision,
                 "gradient_checkpointing": config.gradient_checkpointing, "reference": config.uses_reference,
                 "options": {**options, "rollout_logprobs": config.rollout_logprobs, "kv_cache": config.kv_cache,
@@ -330,7 +338,7 @@ def where(threads: int) -> str:
 
 def child(side: str, args) -> dict:
     """Run one side in a fresh process with its own interpreter; return what it printed as JSON."""
-    python = REPO_ROOT / VENVS["marlhf" if side == "marlhf" else args.trainer] / "bin" / "python"
+    python = REPO_ROOT / VENVS["marlhf" if side.startswith("marlhf") else args.trainer] / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} is missing: create it as the docstring of {Path(__file__).name} says")
     command = [str(python), __file__, "--side", side, "--batch", str(args.batch), "--pieces", str(args.pieces),
@@ -370,7 +378,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run both sides this many times, alternating which goes first, and print the median of "
                              "the rounds' throughput ratios (a load change on a shared machine then hits both sides)")
-    parser.add_argument("--side", choices=("marlhf", "trl"), help=argparse.SUPPRESS)  # internal: one child run
+    parser.add_argument("--async", dest="run_async", action="store_true",
+                        help="also marlhf with max_staleness 1 and one rollout worker of --threads threads")
+    parser.add_argument("--side", choices=("marlhf", "marlhf-async", "trl"),
+                        help=argparse.SUPPRESS)  # internal: one child run
     args = parser.parse_args()
     if args.batch is None:
         args.batch = 16 if args.trainer == "ppo" else 8
@@ -385,12 +396,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         hf_logging.set_verbosity_error()
         trl_side = run_trl if args.trainer == "ppo" else run_trl_group
-        print(json.dumps((run_marlhf if args.side == "marlhf" else trl_side)(args), default=str))
+        print(json.dumps((run_marlhf if args.side.startswith("marlhf") else trl_side)(args), default=str))
         return
 
     rounds = []
     for index in range(args.rounds):
         order = ("marlhf", "trl") if index % 2 == 0 else ("trl", "marlhf")
+        order += ("marlhf-async",) if args.run_async else ()
         rounds.append({side: child(side, args) for side in order})
     if args.trainer != "ppo":
         print(f"{args.trainer.upper()} step, Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} (~5M params, "
@@ -404,11 +416,11 @@ def main() -> None:
               f"{args.batch}, prompts {args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, {args.new_tokens} new "
               f"tokens, 1 epoch x 1 mini-batch in {args.pieces} piece(s), marlhf rollout_logprobs="
               f"{args.rollout_logprobs}, {args.steps} steps after {args.warmup} warm-up, {where(args.threads)}")
-    ratios = []
+    ratios, async_ratios = [], []
     for number, results in enumerate(rounds, start=1):
         if args.rounds > 1:
             print(f"  round {number} ({' then '.join(results)}):")
-        for side in ("marlhf", "trl"):
+        for side in [side for side in ("marlhf", "trl", "marlhf-async") if side in results]:
             result = results[side]
             seconds = result["step_seconds"]
             result["steps_per_second"] = 1 / statistics.median(seconds)
@@ -427,6 +439,15 @@ def main() -> None:
               f"{min(trl['step_seconds']) / min(marlhf['step_seconds']):.2f}x (min); "
               f"peak RSS ratio {marlhf['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
               f"training-memory ratio {marlhf['train_mib'] / max(trl['train_mib'], 1e-9):.2f}{gpu}")
+        if "marlhf-async" in results:
+            asynchronous = results["marlhf-async"]
+            async_ratios.append(asynchronous["steps_per_second"] / trl["steps_per_second"])
+            print(f"  marlhf async (max_staleness 1, 1 rollout worker + trainer, {args.threads} thread(s) each) / TRL "
+                  f"throughput: {async_ratios[-1]:.2f}x (median); / marlhf sync: "
+                  f"{asynchronous['steps_per_second'] / marlhf['steps_per_second']:.2f}x")
+    if args.rounds > 1 and async_ratios:
+        print(f"  median over {args.rounds} rounds of the async / TRL throughput ratio: "
+              f"{statistics.median(async_ratios):.2f}x")
     if args.rounds > 1:
         print(f"  median over {args.rounds} rounds of the throughput ratio: {statistics.median(ratios):.2f}x "
               f"(rounds: {', '.join(f'{r:.2f}x' for r in ratios)})")

@@ -3,7 +3,7 @@
 The trainers `sft`, `reward`, `dpo`, `ppo` and `evaluate` build their config from a YAML file (`--config`) and
 the flags (flags win), then run, reading their records through marlhf.data.load_records(--dataset); a trainer
 module is imported only when its command runs. The tools `plot`, `judge`, `human-eval` (marlhf.evaluation) and
-`demo` (the embedded demo) take their own flags. `marlhf COMMAND --help` lists every option with its default.
+`demo` (the embedded demo) and `vllm-serve` (the rollout server of rollout_engine='vllm_server') take their own flags. `marlhf COMMAND --help` lists every option with its default.
 
 The console shows marlhf's own progress bars and messages; the libraries' (transformers' "Loading weights",
 datasets' and the Hub's bars, their info messages and deprecation warnings) are silenced unless `--verbose`.
@@ -25,10 +25,12 @@ import typing
 import warnings
 
 from marlhf.demo.command import DEMO
+from marlhf.serve_command import VLLM_SERVE
 from marlhf.errors import USAGE_EXIT, Interrupted, MissingPackage, OutOfMemory, did_you_mean, one_line
 from marlhf.evaluation.commands import TOOLS
 
-TOOLS = {**TOOLS, "demo": DEMO}  # the file-based tools and the embedded demo
+# the file-based tools, the embedded demo and the rollout server
+TOOLS = {**TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE}
 
 # command -> (module, config class, train function, one-line description)
 COMMANDS = {

@@ -24,11 +24,13 @@ from marlhf._checks import check_finite_vector, check_like, check_mask, check_se
 from marlhf.segments import (ValueWeighting, masked_mean, num_segments, segment_lengths, segment_mean, segment_sum,
                              segment_values)
 
-__all__ = ["policy_loss", "loss_units", "check_loss_options", "value_loss", "bradley_terry_loss", "dpo_loss"]
+__all__ = ["policy_loss", "behaviour_weights", "loss_units", "check_loss_options", "value_loss", "bradley_terry_loss",
+           "dpo_loss"]
 
 SegmentWeighting = Literal["tokens", "uniform", "geometric"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # verl's loss_agg_mode names
 RatioGranularity = Literal["macro", "token"]
+StalenessCorrection = Literal["decoupled", "tis"]  # what weights a stale (off-policy) rollout's loss
 
 
 def _aggregate(token_weighted: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, divisor: torch.Tensor) -> torch.Tensor:
@@ -48,6 +50,26 @@ def _aggregate(token_weighted: torch.Tensor, mask: torch.Tensor, loss_agg_mode: 
 MAX_LOG_RATIO = 20.0
 
 
+def _check_policy_loss_inputs(mask: torch.Tensor, clip: float, tis_cap: float | None,
+                              **tensors: torch.Tensor | None) -> None:
+    """policy_loss's tensors shaped like the mask, its clip and TIS cap valid, at most one off-policy correction."""
+    check_mask(mask)
+    for name in ("logprobs", "old_logprobs", "advantages"):
+        check_like(tensors[name], mask, name)
+    if not clip > 0:
+        raise ValueError(f"`clip` must be > 0, got {clip}")
+    if tis_cap is not None:
+        if not tis_cap > 0:
+            raise ValueError(f"`tis_cap` must be > 0, got {tis_cap}")
+        if tensors["rollout_logprobs"] is None:
+            raise ValueError("`tis_cap` needs the rollout engine's sampling log-probs (`rollout_logprobs`)")
+        check_like(tensors["rollout_logprobs"], mask, "rollout_logprobs")
+    if tensors["behaviour_logprobs"] is not None:
+        if tis_cap is not None:
+            raise ValueError("`tis_cap` and `behaviour_logprobs` are two corrections of one gap: give one")
+        check_like(tensors["behaviour_logprobs"], mask, "behaviour_logprobs")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -61,6 +83,9 @@ def policy_loss(
     num_slots: int | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_cap: float | None = None,
+    staleness_correction: StalenessCorrection = "decoupled",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate at token or macro-action granularity.
 
@@ -91,22 +116,22 @@ def policy_loss(
             tis_cap), the sum over the unit's tokens (the segment's joint ratio, also with "geometric"). The
             weight carries no gradient.
         tis_cap: the cap C > 0 of those weights; None: off (and ``rollout_logprobs`` unused).
+        behaviour_logprobs: float [B, T], the log-probs of the drawn tokens under the policy that sampled them
+            when it lags the one the update starts from (bounded-staleness PPO: an older policy version, in a
+            rollout worker). Then ``old_logprobs`` is the proximal policy (recomputed at the start of the update)
+            that the ratio is clipped around, and each unit's clipped surrogate is weighted by
+            :func:`behaviour_weights` of its behaviour ratio pi_prox / pi_behav (decoupled PPO, Hilton et al.
+            2021). None: on-policy, no weight (and the two options below unused). Not with ``tis_cap``.
+        behaviour_cap: the cap C > 0 of the behaviour ratio (None: none).
+        staleness_correction: "decoupled" (units whose ratio exceeds C are dropped, as AReaL does) or "tis"
+            (the ratio truncated at C, as ``tis_cap`` does).
     Returns:
         loss, stats with clipfrac, approxkl (k3 estimator), ratio_mean, ratio_max, all over
         segments (tokens when there are no segments).
     """
-    check_mask(mask)
-    check_like(logprobs, mask, "logprobs")
-    check_like(old_logprobs, mask, "old_logprobs")
-    check_like(advantages, mask, "advantages")
-    if not clip > 0:
-        raise ValueError(f"`clip` must be > 0, got {clip}")
-    if tis_cap is not None:
-        if not tis_cap > 0:
-            raise ValueError(f"`tis_cap` must be > 0, got {tis_cap}")
-        if rollout_logprobs is None:
-            raise ValueError("`tis_cap` needs the rollout engine's sampling log-probs (`rollout_logprobs`)")
-        check_like(rollout_logprobs, mask, "rollout_logprobs")
+    _check_policy_loss_inputs(mask, clip, tis_cap, logprobs=logprobs, old_logprobs=old_logprobs,
+                              advantages=advantages, rollout_logprobs=rollout_logprobs,
+                              behaviour_logprobs=behaviour_logprobs)
     check_loss_options(loss_agg_mode, ratio_granularity, segment_weighting)
 
     zeros = torch.zeros_like(logprobs)
@@ -114,6 +139,9 @@ def policy_loss(
     advantages = torch.where(mask, advantages, zeros)
     # truncated importance sampling: log(pi_old_trainer / pi_rollout) of each token, summed per unit below
     log_is = torch.where(mask, old_logprobs - rollout_logprobs, zeros).detach() if tis_cap is not None else None
+    # bounded staleness: log(pi_prox / pi_behav) of each token, summed per unit below (a macro action's joint ratio)
+    log_behaviour = (torch.where(mask, old_logprobs - behaviour_logprobs, zeros).detach()
+                     if behaviour_logprobs is not None else None)
     if segment_ids is None or ratio_granularity == "token":
         units = mask  # every token is its own unit
         weights = mask.to(logprobs.dtype)
@@ -124,6 +152,8 @@ def policy_loss(
         log_ratio = segment_sum(log_ratio, segment_ids, lengths.shape[1])
         if log_is is not None:
             log_is = segment_sum(log_is, segment_ids, lengths.shape[1])
+        if log_behaviour is not None:
+            log_behaviour = segment_sum(log_behaviour, segment_ids, lengths.shape[1])
         advantages = segment_mean(advantages, segment_ids, lengths)
         if segment_weighting == "geometric":
             log_ratio = log_ratio / lengths.clamp(min=1)
@@ -138,6 +168,9 @@ def policy_loss(
     if log_is is not None:
         tis_weight = torch.exp(log_is.clamp(-MAX_LOG_RATIO, math.log(tis_cap)))  # min(ratio, C), no overflow
         per_unit = per_unit * tis_weight
+    if log_behaviour is not None:
+        behaviour_weight = behaviour_weights(log_behaviour, units, behaviour_cap, staleness_correction)
+        per_unit = per_unit * behaviour_weight
     loss = _aggregate(per_unit * weights, mask, loss_agg_mode,
                       loss_units(mask, segment_ids, segment_weighting, loss_agg_mode))
 
@@ -150,8 +183,43 @@ def policy_loss(
         }
         if log_is is not None:
             stats["tis_weight_mean"] = masked_mean(tis_weight, units)
+        if log_behaviour is not None:
+            stats["behaviour_weight_mean"] = masked_mean(behaviour_weight, units)
+            stats["behaviour_dropped"] = masked_mean((units & (behaviour_weight == 0)).float(), units)
     check_finite_vector(loss.detach().reshape(1), "loss (advantages too large: the surrogate overflows)")
     return loss, stats
+
+
+def behaviour_weights(log_ratio: torch.Tensor, units: torch.Tensor, cap: float | None = None,
+                      correction: StalenessCorrection = "decoupled") -> torch.Tensor:
+    """The weights that make a stale rollout's PPO loss an estimate of the on-policy one (decoupled PPO).
+
+    Each unit (a token, or a macro action: its tokens' log-ratios summed, the action's joint ratio) was drawn from
+    the behaviour policy pi_behav, an older version than the proximal policy pi_prox that PPO clips around; its
+    importance weight is w = pi_prox / pi_behav = exp(log_ratio). With a cap C: "decoupled" keeps w where w <= C
+    and gives 0 above it (AReaL's decoupled loss: a unit the old policy made unlikely for the new one is left
+    out, not counted at a truncated weight); "tis" gives min(w, C) (truncated importance sampling, Yao et al.
+    2025: biased towards the behaviour policy above C, never dropping). No gradient flows through the weights.
+
+    Args:
+        log_ratio: float [B, S], log(pi_prox / pi_behav) of each unit (0 where ``units`` is False).
+        units: bool [B, S], which entries are units (padding and empty segment slots: False).
+        cap: C > 0, or None: no cap (plain importance weights, clamped only against overflow).
+        correction: "decoupled" or "tis".
+    Returns:
+        float [B, S]: the weights, 0 where ``units`` is False.
+    """
+    if correction not in typing.get_args(StalenessCorrection):
+        raise ValueError(f"`staleness_correction` must be one of {list(typing.get_args(StalenessCorrection))}, got "
+                         f"{correction!r}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"`behaviour_cap` must be > 0, got {cap}")
+    log_ratio = log_ratio.detach()
+    upper = MAX_LOG_RATIO if cap is None else min(MAX_LOG_RATIO, math.log(cap))
+    weights = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, upper if correction == "tis" else MAX_LOG_RATIO))
+    if correction == "decoupled" and cap is not None:
+        weights = torch.where(log_ratio <= math.log(cap), weights, 0.0)
+    return torch.where(units, weights, 0.0)
 
 
 def check_loss_options(loss_agg_mode: str, ratio_granularity: str = "macro", segment_weighting: str = "tokens") -> None:

@@ -18,7 +18,8 @@ drawn from its own random stream seeded by `row_seeds[b]`, so a response depends
 This package holds the seam (`base.py`) and one file per engine, each registering itself: `hf` (`hf.py`,
 `HFEngine`: transformers' `generate` on the policy itself; its options are `sampling_noise` and `kv_cache`) and
 `vllm` (`vllm.py`, `VLLMEngine` with its options `VLLMOptions`, docs/vllm.md; vLLM itself is imported only when a
-run builds the engine, so marlhf neither needs nor imports it otherwise). Engines are plug-ins like the
+run builds the engine, so marlhf neither needs nor imports it otherwise) and `vllm_server` (`vllm_server.py`,
+`VLLMServerEngine`: the client of `marlhf vllm-serve` on another device or machine, docs/async.md). Engines are plug-ins like the
 termination rules (marlhf.plugins): `register_engine(name, options=...)` on the factory, chosen by name or dotted
 path with `rollout_engine`. Another engine (say SGLang) is one new file that registers itself, and no trainer
 edit:
@@ -41,7 +42,8 @@ from marlhf.engines.base import (ENGINES, REGISTRY, EngineContext, Generation, R
                                  get_engine, make_engine, register_engine, response_mask_from_ids)
 from marlhf.engines.hf import HFEngine, HFOptions  # noqa: E402  (importing an engine's file registers it)
 from marlhf.engines.vllm import VLLMEngine, VLLMOptions  # noqa: E402
+from marlhf.engines.vllm_server import VLLMServerEngine, VLLMServerOptions  # noqa: E402
 
 __all__ = ["RolloutEngine", "Generation", "EngineContext", "REGISTRY", "ENGINES", "register_engine", "get_engine",
            "make_engine", "check_sampling", "response_mask_from_ids", "HFEngine", "HFOptions", "VLLMEngine",
-           "VLLMOptions"]
+           "VLLMOptions", "VLLMServerEngine", "VLLMServerOptions"]

@@ -423,6 +423,22 @@ class VLLMEngine:
         self._wake()
         self._load(policy, changed_only=True)
 
+    def build(self) -> None:
+        """Build the LLM now from the last synced policy (else the first `generate` does)."""
+        if self.policy is None:
+            raise RuntimeError("sync_weights(policy) must be called before build")
+        if self.llm is None:
+            self._build(self.policy)
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Named tensors in checkpoint format, some or all of the model's, straight into vLLM: the route of
+        `marlhf vllm-serve`, which receives them from the trainer and has no policy of its own to read."""
+        self.build()
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
     def _load(self, policy: nn.Module, changed_only: bool) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _policy_weights(policy, changed_only),
                                                           "is_checkpoint_format": True})

@@ -20,7 +20,9 @@ class PolicyLossBatch:
     """One piece of an update: logprobs (with gradients), old_logprobs (the rollout's), advantages: float [B, T];
     mask: bool [B, T]; segment_ids: long [B, T]; loss_agg_mode: PPOConfig's; num_slots: the largest number of
     segments of a row (known on the host); options: the loss's own options; rollout_logprobs: the engine's own
-    sampling log-probs when the run keeps them (PPOConfig.compares_rollout_logprobs), else None."""
+    sampling log-probs when the run keeps them (PPOConfig.compares_rollout_logprobs), else None;
+    behaviour_logprobs: with a stale rollout (PPOConfig.max_staleness > 0) the log-probs of the policy version that
+    sampled it (the rollout worker's), `old_logprobs` being the proximal policy's; else None (on-policy)."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -31,6 +33,7 @@ class PolicyLossBatch:
     num_slots: int | None
     options: Any
     rollout_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
 
 
 def _token_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: Any,

@@ -1,5 +1,6 @@
 """`ppo`: the clipped surrogate of :func:`marlhf.losses.policy_loss`, one joint ratio per macro action (or per
-token), optionally weighted by truncated importance sampling against the engine's own log-probs."""
+token), optionally weighted by truncated importance sampling against the engine's own log-probs, and with a stale
+rollout (PPOConfig.max_staleness) by the behaviour weights of decoupled PPO (docs/async.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import torch
 
 from marlhf.config import option
-from marlhf.losses import RatioGranularity, SegmentWeighting, loss_units, policy_loss
+from marlhf.losses import RatioGranularity, SegmentWeighting, StalenessCorrection, loss_units, policy_loss
 from marlhf.policy_losses.base import PolicyLossBatch, register_policy_loss
 
 
@@ -28,6 +29,11 @@ class ClippedOptions:
               "ppo loss of each unit (token, or macro action with macro ratios) by min(pi_trainer / pi_rollout, "
               "tis_cap), the trainer's recomputed old probability over the engine's sampling one (a product over "
               "a macro action's tokens); none: off", gt=0)
+    # bounded staleness (PPOConfig.max_staleness > 0): marlhf.losses.behaviour_weights
+    staleness_correction: StalenessCorrection = option(
+        "decoupled", "max_staleness > 0: weight each unit by pi_prox / pi_behav, dropping those above behaviour_cap "
+                     "(decoupled PPO, AReaL) or truncating them to it (tis)")
+    behaviour_cap: float | None = option(5.0, "max_staleness > 0: the cap of the behaviour ratio (none: none)", gt=0)
 
 
 def clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: ClippedOptions,
@@ -41,4 +47,5 @@ def clipped(batch: PolicyLossBatch) -> tuple[torch.Tensor, dict[str, torch.Tenso
     o = batch.options
     return policy_loss(batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.segment_ids,
                        o.clip_range, o.ratio_granularity, o.segment_weighting, batch.loss_agg_mode, batch.num_slots,
-                       batch.rollout_logprobs, o.tis_cap)
+                       batch.rollout_logprobs, o.tis_cap, batch.behaviour_logprobs, o.behaviour_cap,
+                       o.staleness_correction)

@@ -79,6 +79,7 @@ from marlhf.continuations import PrefixContinuations
 from marlhf.rollout import (Experience, RewardFn, response_logprobs, response_logprobs_and_entropy,
                             response_scores, response_values, score_responses)
 from marlhf.segments import num_segments, split_last_token
+from marlhf.staleness import RolloutRequest, StaleRollouts
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
                                     make_accelerator, maybe_save_checkpoint, optimizer_step, own_rows,
@@ -114,6 +115,7 @@ class PPORun:
     eos_token_id: int | list[int]
     kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
     generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
+    rollouts: StaleRollouts | None = None  # rollout worker processes (config.rollout_workers); None: the engine here
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -146,14 +148,8 @@ def make_experience(run: PPORun, step: int) -> Experience:
     config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
     device = accelerator.device
     clock = {"start": device_clock(device)}
-    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
-    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
-    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], tokenizer.pad_token_id, "left")
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.bool().to(device)
-    # One random stream per response, keyed by its row among all processes' rows: the samples do not
-    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
-    first_row = accelerator.process_index * config.rollout_size
-    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    rows, request = _rollout_request(run, step)
+    prompt_ids, prompt_mask, row_seeds = request.prompt_ids, request.prompt_mask, request.row_seeds
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     attached_logprobs = attached_values = None
@@ -161,9 +157,12 @@ def make_experience(run: PPORun, step: int) -> Experience:
     with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
     wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        generation = run.engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds,
-                                         max_new_tokens=config.max_response_length,
-                                         return_logprobs=wants_sampling_logprobs, **_sampling(run))
+        if run.rollouts is None:  # the engine here, now, with this step's policy
+            generation = run.engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds,
+                                             max_new_tokens=config.max_response_length,
+                                             return_logprobs=wants_sampling_logprobs, **_sampling(run))
+        else:  # from the rollout workers, sampled by policy version max(start, step - max_staleness)
+            generation = run.rollouts.generation(step, accelerator.unwrap_model(run.policy))
         if wants_sampling_logprobs and generation.logprobs is None:
             raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
                              "old_logprobs_from='sampling' and log_rollout_logprob_diff need")
@@ -305,12 +304,15 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
         with accumulation_context(accelerator, policy, is_last):
             logprobs = piece.attached_logprobs if piece.attached_logprobs is not None else response_logprobs(
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
+            # with a stale rollout the engine's log-probs are the behaviour policy's, piece.logprobs the proximal's
+            behaviour = piece.rollout_logprobs if config.max_staleness else None
             loss, loss_stats = policy_loss(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                            piece.segment_ids, config.loss_agg_mode, num_slots,
-                                                           policy_loss.options, piece.rollout_logprobs))
+                                                           policy_loss.options, piece.rollout_logprobs, behaviour))
             backward(accelerator, policy, loss * weight, is_last)
         stats = {"loss/policy": loss.detach(),
-                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean")
+                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean",
+                                                                    "behaviour_weight_mean", "behaviour_dropped")
                     if name in loss_stats}}
     if critic is not None:
         weight = loss_units(mask, None, "tokens", config.loss_agg_mode) * processes / totals["value"]
@@ -357,7 +359,7 @@ def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
-    if run.config.log_rollout_logprob_diff and e.rollout_logprobs is not None:
+    if (run.config.log_rollout_logprob_diff or run.config.max_staleness) and e.rollout_logprobs is not None:
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
         metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
@@ -365,6 +367,8 @@ def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
     metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
     if e.continuation_tokens is not None:
         metrics["rollout/mc_tokens"] = e.continuation_tokens * run.accelerator.num_processes
+    if run.rollouts is not None:  # the worker's throughput, the trainer's wait, how stale the batch was
+        metrics.update(run.rollouts.metrics)
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
     metrics = reduce_metrics(metrics, run.accelerator)
@@ -459,9 +463,12 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
     whose generated tokens reach max_generated_tokens, and goes on past the plan's last step until they reach
     min_generated_tokens."""
     config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
+    # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
+    run.rollouts = _start_rollout_workers(run, start_step) if config.rollout_workers else None
     # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-    with tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
-              disable=not accelerator.is_local_main_process) as progress:
+    with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), \
+            tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
+                 disable=not accelerator.is_local_main_process) as progress:
         step = start_step
         while _goes_on(run, step):
             experience = make_experience(run, step)  # 1. sample and score
@@ -518,6 +525,35 @@ def _random_states_kept(device: torch.device):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]:
+    """Step `step`'s rows (each a prompt index, the samples of one prompt consecutive), their left-padded prompts
+    on the device and their seeds."""
+    config, accelerator = run.config, run.accelerator
+    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
+    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
+    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], run.tokenizer.pad_token_id, "left")
+    # One random stream per response, keyed by its row among all processes' rows: the samples do not
+    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
+    first_row = accelerator.process_index * config.rollout_size
+    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    return rows, RolloutRequest(prompt_ids.to(accelerator.device), prompt_mask.bool().to(accelerator.device),
+                                row_seeds)
+
+
+def _start_rollout_workers(run: PPORun, start_step: int) -> StaleRollouts:
+    """config.rollout_workers engine processes for this training process, max_staleness steps ahead. A run that
+    min_generated_tokens may draw out past the plan's last step has no last step for the workers (None)."""
+    config = run.config
+    last = None if config.min_generated_tokens is not None else run.plan.total_steps
+    return StaleRollouts.start(
+        engine=config.rollout_engine, engine_options=run.plugins.engine.options, max_length=config.max_length,
+        workers=config.rollout_workers, threads=config.rollout_worker_threads, timeout=config.rollout_worker_timeout,
+        output_dir=config.output_dir, first_index=run.accelerator.process_index * config.rollout_workers,
+        max_staleness=config.max_staleness, start_step=start_step, total_steps=last,
+        request=lambda step: _rollout_request(run, step)[1],
+        sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **_sampling(run)))
+
+
 def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
     """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
     if run.reward_fn is None or not takes_record_fields(run.reward_fn):

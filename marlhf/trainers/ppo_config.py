@@ -225,6 +225,19 @@ class PPOConfig(TrainingConfig):
         "sampling", "log-probs for the ratio, the KL penalty and the perplexity rule from logits / temperature "
                     "(the distribution sampled from) or from raw logits (the released code)")
 
+    # Asynchronous rollouts (marlhf.staleness, marlhf.engines.worker; docs/async.md).
+    max_staleness: int = option(
+        0, "sample step t's responses with the policy after step max(start, t - k) in rollout worker processes, "
+           "which work k steps ahead while the trainer trains; the loss corrects for the lag (the ppo loss's "
+           "staleness_correction and behaviour_cap). 0: each step samples with its own policy (synchronous)", ge=0)
+    rollout_workers: int = option(
+        0, "rollout engine processes per training process, each step's responses split between them (0: the "
+           "engine runs in the trainer, between the other stages; max_staleness > 0 needs >= 1)", ge=0)
+    rollout_worker_threads: int = option(1, "torch CPU threads of each rollout worker", ge=1)
+    rollout_worker_timeout: float = option(
+        600.0, "seconds a waiting trainer gives a silent rollout worker (no result, no request started) before "
+               "it stops the run: a hung worker", gt=0)
+
     # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
     use_lora: bool = option(
         False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
@@ -241,6 +254,8 @@ class PPOConfig(TrainingConfig):
                                    "critic_warmup_steps", "value_weighting", "whiten_advantages",
                                    "advantage_mask_threshold"),
         "losses": ("policy_loss", "policy_loss_options", "loss_agg_mode", "value_clip_range", "value_loss_granularity"),
+        "asynchronous rollouts": ("max_staleness", "rollout_workers", "rollout_worker_threads",
+                                  "rollout_worker_timeout"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
     RENAMED = {"rollout_logprobs": "old_logprobs_from"}
@@ -275,14 +290,7 @@ class PPOConfig(TrainingConfig):
         if self.logprob_temperature == "raw" and self.old_logprobs_from == "sampling":
             raise ValueError("logprob_temperature='raw' needs old_logprobs_from='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
-        if self.compares_rollout_logprobs:
-            what = "log_rollout_logprob_diff" if self.log_rollout_logprob_diff else "tis_cap"
-            if self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward:
-                raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
-                                 "old_logprobs_from='sampling' does not compute: use old_logprobs_from='recompute'")
-            if self.logprob_temperature == "raw":
-                raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
-                                 "logits / temperature)")
+        self._check_rollout_logprobs()
         if self.plugin("advantage").reads_entropy and self.old_logprobs_from == "sampling" and not \
                 self.reuses_rollout_forward:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
@@ -306,6 +314,24 @@ class PPOConfig(TrainingConfig):
         if self.kl_target is not None:
             AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
 
+    def _check_rollout_logprobs(self) -> None:
+        """The asynchronous rollouts' needs, and what comparing the engine's log-probs with the trainer's needs."""
+        if self.max_staleness and not self.rollout_workers:
+            raise ValueError(f"max_staleness={self.max_staleness} samples ahead of training in rollout worker "
+                             "processes: set rollout_workers >= 1")
+        if self.max_staleness and self.tis_cap is not None:
+            raise ValueError("max_staleness > 0 corrects the rollout's lag and the engine's numerics together (the ppo "
+                             "loss's staleness_correction, 'tis' for truncation): unset tis_cap")
+        if self.compares_rollout_logprobs:
+            what = ("max_staleness" if self.max_staleness else "log_rollout_logprob_diff"
+                    if self.log_rollout_logprob_diff else "tis_cap")
+            if self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward:
+                raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
+                                 "old_logprobs_from='sampling' does not compute: use old_logprobs_from='recompute'")
+            if self.logprob_temperature == "raw":
+                raise ValueError(f"{what} needs logprob_temperature='sampling' (the engine's log-probs are under "
+                                 "logits / temperature)")
+
     @property
     def rollout_size(self) -> int:
         """Responses sampled per PPO step on each process."""
@@ -323,8 +349,9 @@ class PPOConfig(TrainingConfig):
 
     @property
     def compares_rollout_logprobs(self) -> bool:
-        """Whether the engine's sampling log-probs are kept beside the trainer's (the diff metrics, TIS)."""
-        return self.log_rollout_logprob_diff or self.tis_cap is not None
+        """Whether the engine's sampling log-probs are kept beside the trainer's (the diff metrics, TIS, and with
+        max_staleness the behaviour policy's log-probs of the decoupled loss)."""
+        return self.log_rollout_logprob_diff or self.tis_cap is not None or self.max_staleness > 0
 
     @property
     def uses_critic(self) -> bool:

@@ -1,0 +1,144 @@
+"""Bounded-staleness rollouts: which policy version samples each PPO step's batch, and the pipeline that keeps
+the rollout workers (marlhf.engines.worker) that many steps ahead of the trainer (docs/async.md).
+
+The schedule. Policy version v is the policy after v PPO steps of this run segment (version `start_step` is the
+one a run starts or resumes with). With `max_staleness` k, the batch of step t is sampled by version
+
+    behaviour_version(t) = max(start_step, t - k)
+
+so at the start of step t (the trainer holds version t) the workers are sent version t and asked for the batch
+of step t + k, and the trainer then trains on step t's batch, asked for k steps earlier. Every batch's prompts,
+per-row seeds and policy version are fixed by the step number alone: a run is reproducible whatever the timing,
+and the trainer waits only when a worker is slower than k steps of training. k = 0 samples each step with its own
+policy (the synchronous step, here in a worker process). A resumed run regenerates the batches that were in
+flight when it stopped (none is saved, none is lost, none used twice), sampled by the checkpoint's policy, version
+start_step: after a resume the first k steps are less stale than the uninterrupted run's were.
+
+With several workers each step's rows are split into contiguous shares, one per worker; a row's response depends
+only on its prompt, its seed and the weights, so the split changes which process samples it, not what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from marlhf.engines.base import Generation
+from marlhf.engines.worker import RolloutWorker, WorkerSpec
+
+__all__ = ["behaviour_version", "RolloutRequest", "StaleRollouts"]
+
+
+def behaviour_version(step: int, max_staleness: int, start_step: int = 0) -> int:
+    """The policy version (PPO steps done) that samples step `step`'s batch (module docstring)."""
+    if max_staleness < 0:
+        raise ValueError(f"`max_staleness` must be >= 0, got {max_staleness}")
+    return max(start_step, step - max_staleness)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRequest:
+    """One step's prompts and seeds: prompt_ids long [B, P] left-padded, prompt_mask bool [B, P], row_seeds [B]."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    row_seeds: Sequence[int]
+
+
+class StaleRollouts:
+    """The trainer's side of the pipeline: `generation(step, policy)` at the start of each step returns the step's
+    Generation (on the prompts' device) after asking the workers for the batches up to step + max_staleness."""
+
+    def __init__(self, workers: list[RolloutWorker], max_staleness: int, start_step: int, total_steps: int | None,
+                 request: Callable[[int], RolloutRequest], sampling: dict[str, Any]) -> None:
+        self.workers, self.max_staleness, self.start_step = workers, max_staleness, start_step
+        self.total_steps, self.request, self.sampling = total_steps, request, sampling
+        self.versions: dict[int, int] = {}  # step -> the policy version that samples its batch (submitted ones)
+        self.asked: dict[int, tuple[torch.device, int]] = {}  # step -> (its prompts' device, workers asked)
+        self.metrics: dict[str, float] = {}  # the last step's rollout/staleness and its timings (time/)
+
+    @classmethod
+    def start(cls, *, engine: str, engine_options: Any, max_length: int | None, workers: int, threads: int,
+              timeout: float, output_dir: str, first_index: int = 0, **schedule: Any) -> StaleRollouts:
+        """Start `workers` processes of the engine, each logging to OUTPUT_DIR/rollout_worker_<i>.log."""
+        started: list[RolloutWorker] = []
+        try:
+            for i in range(first_index, first_index + workers):
+                log = Path(output_dir) / f"rollout_worker_{i}.log"
+                started.append(RolloutWorker(WorkerSpec(engine, engine_options, max_length, threads, str(log), i,
+                                                        timeout)))
+        except BaseException:
+            for worker in started:
+                worker.close()
+            raise
+        return cls(started, **schedule)
+
+    def generation(self, step: int, policy: nn.Module) -> Generation:
+        """Step `step`'s batch. `policy` is version `step`: the workers get it for the batch of step + k."""
+        began = time.perf_counter()
+        last = step + self.max_staleness
+        if self.total_steps is not None:  # None: no last step (a token budget may draw the run out)
+            last = min(last, self.total_steps - 1)
+        first = max(self.versions, default=step - 1) + 1
+        if first <= last:
+            for worker in self.workers:
+                worker.send_weights(policy)
+            for later in range(first, last + 1):
+                self.versions[later] = step
+                self._submit(later)
+        if step not in self.versions:
+            raise RuntimeError(f"step {step}'s batch was never asked for (steps run out of order?)")
+        generation, seconds, tokens = self._collect(step)
+        self.metrics = {"rollout/staleness": float(step - self.versions.pop(step)),
+                        "time/rollout_worker_tokens_per_s": tokens / max(seconds, 1e-9),
+                        "time/rollout_wait": time.perf_counter() - began}
+        return generation
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _shares(self, rows: int) -> list[slice]:
+        """Contiguous shares of a step's rows, one per worker (the first ones one row larger)."""
+        n = min(len(self.workers), rows)
+        sizes = [rows // n + (i < rows % n) for i in range(n)]
+        bounds = [sum(sizes[:i]) for i in range(n + 1)]
+        return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
+
+    def _submit(self, step: int) -> None:
+        request = self.request(step)
+        shares = self._shares(len(request.row_seeds))
+        self.asked[step] = (request.prompt_ids.device, len(shares))
+        for worker, share in zip(self.workers, shares):
+            worker.submit(step, request.prompt_ids[share], request.prompt_mask[share],
+                          row_seeds=list(request.row_seeds[share]), **self.sampling)
+
+    def _collect(self, step: int) -> tuple[Generation, float, int]:
+        """The workers' shares of step `step`, right-padded to one width; the slowest share's seconds; tokens."""
+        device, asked = self.asked.pop(step)
+        parts = [worker.result(step) for worker in self.workers[:asked]]
+        seconds, tokens = max(part[1] for part in parts), sum(part[2] for part in parts)
+        generations = [part[0] for part in parts]
+        if len(generations) == 1:
+            generation = generations[0]
+        else:
+            width = max(g.response_ids.shape[1] for g in generations)
+            pad = self.sampling["pad_token_id"]
+            generation = Generation(
+                torch.cat([_right_pad(g.response_ids, width, pad) for g in generations]),
+                torch.cat([_right_pad(g.response_mask, width, False) for g in generations]),
+                None if generations[0].logprobs is None else
+                torch.cat([_right_pad(g.logprobs, width, 0.0) for g in generations]))
+        return Generation(generation.response_ids.to(device), generation.response_mask.to(device),
+                          None if generation.logprobs is None else generation.logprobs.to(device)), seconds, tokens
+
+
+def _right_pad(tensor: torch.Tensor, width: int, value: Any) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
