@@ -16,12 +16,29 @@ so that a resumed run continues with the coefficient the interrupted one had rea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
-__all__ = ["AdaptiveKLController"]
+from marlhf.config import option
+
+__all__ = ["AdaptiveKLController", "AdaptiveKLOptions"]
 
 MAX_PROPORTIONAL_ERROR = 0.2
+
+
+@dataclasses.dataclass
+class AdaptiveKLOptions:
+    """The adaptive KL controller's options, the one home of their declarations: PPOConfig holds their values in
+    its block `kl_control_options` and takes and reads each flat (`--kl_target 6`, `config.kl_target`;
+    marlhf.trainers.ppo_config.BLOCKS). The coefficient's start value (or fixed value) is PPOConfig.kl_coef."""
+
+    kl_target: float | None = option(
+        None, "adapt the KL coefficient after every step towards this KL (objective/kl), starting from kl_coef "
+              "(Ziegler et al. 2019; none: kl_coef stays fixed); logged as objective/kl_coef, kept in checkpoints",
+        gt=0)
+    kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
+                                    "must exceed 0.2 x the responses per step)", ge=1)
 
 
 class AdaptiveKLController:

@@ -1,7 +1,9 @@
 """One home per option (issue 36): a plug-in's options are declared once, by its options dataclass; PPOConfig takes
 the built-in plug-ins' options flat (`--ngram 5`, `lam: 1`, `PPOConfig(lam=1)`, `config.lam`) through aliases
 generated from those dataclasses (marlhf.trainers.ppo_config.FLAT_OPTIONS); `--help` lists each option once, under
-its plug-in; the `rollout_logprobs` mode is `old_logprobs_from`, its old name an alias."""
+its plug-in; the `rollout_logprobs` mode is `old_logprobs_from`, its old name an alias. The options of a block of
+no plug-in kind (BLOCKS: the asynchronous rollouts', the adaptive KL controller's) are declared by its dataclass and
+taken and read flat the same way, listed once, in the block's section."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ import pytest
 
 from marlhf import cli
 from marlhf.plugins import Registry
-from marlhf.trainers.ppo_config import FLAT_OPTIONS, PLUGINS, PPOConfig, flat_options
+from marlhf.trainers.ppo_config import BLOCKS, FLAT_OPTIONS, PLUGINS, PPOConfig, flat_options
+
+PLUGIN_OPTIONS = sorted(name for name, flat in FLAT_OPTIONS.items() if flat.plugin is not None)
+BLOCK_OPTIONS = sorted(name for name, flat in FLAT_OPTIONS.items() if flat.plugin is None)
 
 
-def _builtin_declarations() -> dict[str, list[tuple[str, str]]]:
-    """{option name: [(kind, plug-in), ...]} over every option of marlhf's registered plug-ins."""
+def _builtin_declarations() -> dict[str, list[tuple[str, str | None]]]:
+    """{option name: [(kind, plug-in or None for a block), ...]} over every option of marlhf's registered plug-ins
+    and of the blocks of no plug-in kind."""
     declared = collections.defaultdict(list)
     for kind, registry in PLUGINS.items():
         for name in registry.names():
@@ -25,7 +31,15 @@ def _builtin_declarations() -> dict[str, list[tuple[str, str]]]:
             if options is not None and options.__module__.startswith("marlhf."):
                 for f in dataclasses.fields(options):
                     declared[f.name].append((kind, name))
+    for kind, options in BLOCKS.items():
+        for f in dataclasses.fields(options):
+            declared[f.name].append((kind, None))
     return declared
+
+
+def _declaration(flat) -> dataclasses.Field:
+    options = BLOCKS[flat.kind] if flat.plugin is None else PLUGINS[flat.kind].get(flat.plugin).options
+    return next(f for f in dataclasses.fields(options) if f.name == flat.name)
 
 
 def _other_value(flat):
@@ -50,12 +64,12 @@ def test_every_flat_option_maps_to_exactly_one_plugin_option():
     for name, flat in FLAT_OPTIONS.items():
         assert declared[name] == [(flat.kind, flat.plugin)], name  # one plug-in declares it
         assert name not in PPOConfig.field_names(), name  # and PPOConfig does not
-        field = next(f for f in dataclasses.fields(PLUGINS[flat.kind].get(flat.plugin).options) if f.name == name)
+        field = _declaration(flat)
         assert flat.field is field and flat.field.metadata.get("help"), name  # its one declaration, with help
         assert getattr(PPOConfig(), name) == flat.default, name
 
 
-@pytest.mark.parametrize("name", sorted(FLAT_OPTIONS))
+@pytest.mark.parametrize("name", PLUGIN_OPTIONS)
 def test_a_flat_option_goes_to_its_plugin(name):
     flat = FLAT_OPTIONS[name]
     value = _other_value(flat)
@@ -72,6 +86,39 @@ def test_a_flat_option_goes_to_its_plugin(name):
     assert PPOConfig(**{**base, flat.kind: {"name": flat.plugin, name: value}}) == chosen  # a block in Python
 
 
+# A valid setting of each block's options away from their defaults (max_staleness > 0 needs a rollout worker).
+BLOCK_VALUES = {"async_rollout": {"max_staleness": 2, "rollout_workers": 3, "rollout_worker_threads": 2,
+                                  "rollout_worker_timeout": 30.0},
+                "kl_control": {"kl_target": 6.0, "kl_horizon": 5000}}
+
+
+def test_the_blocks_of_no_plugin_kind():
+    assert set(BLOCK_VALUES) == set(BLOCKS) and set(BLOCK_OPTIONS) == {n for v in BLOCK_VALUES.values() for n in v}
+    assert len([f for f in PPOConfig.field_names() if f not in PPOConfig.__mro__[1].__dataclass_fields__]) <= 40
+    for kind, values in BLOCK_VALUES.items():
+        config = PPOConfig(**values)
+        assert getattr(config, f"{kind}_options") == values  # their home: the block
+        assert {name: getattr(config, name) for name in values} == values  # read flat
+        written = config.to_dict()
+        assert f"{kind}_options" not in written and {name: written[name] for name in values} == values  # flat
+        assert PPOConfig.from_dict(written) == config == PPOConfig(**{f"{kind}_options": values})
+        assert PPOConfig.from_dict({f"{kind}_options": values}) == config
+        assert dataclasses.replace(config, **{name: BLOCKS[kind]().__dict__[name] for name in values}) == PPOConfig()
+        args = [f"--{name}={value}" for name, value in values.items()]
+        assert PPOConfig.from_arguments(cli.build_parser("ppo").parse_args(["ppo", *args])) == config
+    with pytest.raises(ValueError, match="async_rollout_options has no option 'workers' .did you mean "
+                                         "'rollout_workers'..; its options: max_staleness, rollout_workers"):
+        PPOConfig(async_rollout_options={"workers": 1})
+    with pytest.raises(ValueError, match="^rollout_worker_threads must be >= 1, got 0$"):
+        PPOConfig(rollout_worker_threads=0)
+    with pytest.raises(ValueError, match="kl_control_options option 'kl_horizon' must be >= 1, got 0"):
+        PPOConfig(kl_control_options={"kl_horizon": 0})
+    with pytest.raises(ValueError, match="'max_staleness' is an option of async_rollout_options"):
+        PPOConfig(advantage_options={"max_staleness": 1})
+    with pytest.raises(ValueError, match="max_staleness is given twice"):
+        PPOConfig.from_dict({"max_staleness": 1, "async_rollout_options": {"max_staleness": 2}})
+
+
 def test_a_name_two_plugins_declare_is_refused():
     @dataclasses.dataclass
     class One:
@@ -83,6 +130,8 @@ def test_a_name_two_plugins_declare_is_refused():
     One.__module__ = "marlhf.fake"
     with pytest.raises(TypeError, match="'size' is declared by gadget 'b' and by widget 'a'"):
         flat_options({"widget": first, "gadget": second})
+    with pytest.raises(TypeError, match="'size' is declared by thing_options and by widget 'a'"):
+        flat_options({"widget": first}, {"thing": One})
 
 
 def test_flat_option_and_block_agree_or_are_refused():
@@ -134,5 +183,7 @@ def test_help_lists_each_option_once_under_its_plugin(capsys):
     sections = dict(re.findall(r"(?ms)^(\S[^\n]*):\n(.*?)(?=^\S|\Z)", text))  # title -> its lines
     for name, flat in FLAT_OPTIONS.items():
         assert f"{name}=" not in text, name  # not listed again as `plugin (name=default)`
-        title = next(t for t in sections if t.startswith(f"{PLUGINS[flat.kind].kind} {flat.plugin} (--{flat.kind} "))
-        assert re.search(rf"(?m)^  --{name}\b", sections[title]), name
+        title = next(t for t in sections if (re.search(rf"(?m)^  --{flat.kind}_options\b", sections[t])
+                                             if flat.plugin is None else
+                                             t.startswith(f"{PLUGINS[flat.kind].kind} {flat.plugin} (--{flat.kind} ")))
+        assert re.search(rf"(?m)^  --{name}\b", sections[title]), name  # in its plug-in's or its block's section

@@ -130,10 +130,15 @@ def config_reference(cls) -> str:
     doc = inspect.getdoc(cls) or ""
     lines = [f"`{cls.__module__}.{cls.__name__}`: {doc}", ""]
     groups = ([("general", rest)] if rest else []) + list(sections.items())
+    blocks = getattr(import_module(cls.__module__), "BLOCKS", {})  # PPOConfig's option blocks of no plug-in kind
     for title, names in groups:
         if len(groups) > 1:
             lines += [f"**{title}**", ""]
         lines += _field_rows(cls, names) + [""]
+        for kind in [name.removesuffix("_options") for name in names if name.removesuffix("_options") in blocks]:
+            options = blocks[kind]
+            lines += [f"`{kind}_options` (`{options.__module__}.{options.__name__}`; each also a flat flag):", "",
+                      *_field_rows(options, [f.name for f in dataclasses.fields(options)], cls.__name__.lower()), ""]
     return "\n".join(lines)
 
 

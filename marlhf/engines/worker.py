@@ -39,12 +39,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from marlhf.config import option
 from marlhf.engines.base import EngineContext, Generation, make_engine
 from marlhf.errors import MarlhfError, one_line
 
-__all__ = ["WorkerSpec", "RolloutWorker"]
+__all__ = ["AsyncRolloutOptions", "WorkerSpec", "RolloutWorker"]
 
 _POLL_SECONDS = 0.2  # how often a waiting trainer checks that its worker is alive
+
+
+@dataclasses.dataclass
+class AsyncRolloutOptions:
+    """The asynchronous rollouts' options (docs/async.md), the one home of their declarations: PPOConfig holds their
+    values in its block `async_rollout_options` and takes and reads each flat (`--max_staleness 1`,
+    `config.max_staleness`; marlhf.trainers.ppo_config.BLOCKS)."""
+
+    max_staleness: int = option(
+        0, "sample step t's responses with the policy after step max(start, t - k) in rollout worker processes, "
+           "which work k steps ahead while the trainer trains; the loss corrects for the lag (the ppo loss's "
+           "staleness_correction and behaviour_cap). 0: each step samples with its own policy (synchronous)", ge=0)
+    rollout_workers: int = option(
+        0, "rollout engine processes per training process, each step's responses split between them (0: the "
+           "engine runs in the trainer, between the other stages; max_staleness > 0 needs >= 1)", ge=0)
+    rollout_worker_threads: int = option(1, "torch CPU threads of each rollout worker", ge=1)
+    rollout_worker_timeout: float = option(
+        600.0, "seconds a waiting trainer gives a silent rollout worker (no result, no request started) before "
+               "it stops the run: a hung worker", gt=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,11 @@ dataclasses when this module is imported (a name declared twice is an error), `e
 into its kind's block, and a property per name reads it back (the block's value, else the dataclass's default).
 `to_dict` (and so config.yaml) writes them flat, as before. A plug-in of the same kind that declares an option of
 a flat name gets its value (`lam` reaches a user's estimator that declares `lam`).
+
+Option blocks of no plug-in kind (`BLOCKS`): options that belong together but name no plug-in (the asynchronous
+rollouts', the adaptive KL controller's) are declared by one dataclass each, their values held in the block
+`<kind>_options`, and taken and read flat the same way (`--max_staleness 1`, `config.kl_target`). `to_dict` writes
+them flat only: such a block holds nothing but them.
 """
 
 from __future__ import annotations
@@ -26,27 +31,33 @@ from typing import Any, Literal
 
 from marlhf.segments import ValueWeighting
 from marlhf.config import TrainingConfig, add_option_argument, check_bounds, coerce_option, option
+from marlhf.errors import did_you_mean
 from marlhf import engines, estimators, policy_losses, termination
 from marlhf.imports import import_function
-from marlhf.kl_control import AdaptiveKLController
+from marlhf.engines.worker import AsyncRolloutOptions
+from marlhf.kl_control import AdaptiveKLController, AdaptiveKLOptions
 from marlhf.losses import LossAggregation, check_loss_options
 from marlhf.plugins import Plugin, Registry
 
-__all__ = ["PPOConfig", "PLUGINS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
+__all__ = ["PPOConfig", "PLUGINS", "BLOCKS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
 
 # The options that name a plug-in (marlhf.plugins), each with its block of options `<option>_options`.
 PLUGINS: dict[str, Registry] = {"termination": termination.REGISTRY, "advantage": estimators.REGISTRY,
                                 "policy_loss": policy_losses.REGISTRY, "rollout_engine": engines.REGISTRY}
 
+# The option blocks of no plug-in kind, {kind: the dataclass declaring its options}, each held in `<kind>_options`.
+BLOCKS: dict[str, type] = {"kl_control": AdaptiveKLOptions, "async_rollout": AsyncRolloutOptions}
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatOption:
     """An option of a built-in plug-in that PPOConfig also takes flat: its kind (`termination`), the plug-in that
-    declares it (`fixed`), and its declaration (the dataclass field, with default, help and bounds, and its type)."""
+    declares it (`fixed`; None for an option of a block of no plug-in kind, BLOCKS), and its declaration (the
+    dataclass field, with default, help and bounds, and its type)."""
 
     name: str
     kind: str
-    plugin: str
+    plugin: str | None
     field: dataclasses.Field
     annotation: Any
 
@@ -54,27 +65,38 @@ class FlatOption:
     def default(self) -> Any:
         return self.field.default
 
+    @property
+    def owner(self) -> str:
+        """What declares it, for messages: `termination rule 'fixed'`, or the block `async_rollout_options`."""
+        return f"{self.kind}_options" if self.plugin is None else f"{PLUGINS[self.kind].kind} {self.plugin!r}"
 
-def flat_options(plugins: Mapping[str, Registry]) -> dict[str, FlatOption]:
+
+def flat_options(plugins: Mapping[str, Registry], blocks: Mapping[str, type] | None = None) -> dict[str, FlatOption]:
     """{name: FlatOption} for every option of every plug-in of marlhf's own (its options dataclass is defined in
-    marlhf), read off the dataclasses. A name two of them declare is a TypeError: a flat name means one option."""
+    marlhf) and of every block of no plug-in kind ({kind: options dataclass}), read off the dataclasses. A name
+    two of them declare is a TypeError: a flat name means one option."""
+    declared = [(kind, name, registry.get(name).options) for kind, registry in plugins.items()
+                for name in registry.names()] + [(kind, None, options) for kind, options in (blocks or {}).items()]
     found: dict[str, FlatOption] = {}
-    for kind, registry in plugins.items():
-        for name in registry.names():
-            options = registry.get(name).options
-            if options is None or options.__module__.split(".")[0] != "marlhf":
-                continue
-            hints = typing.get_type_hints(options)
-            for f in dataclasses.fields(options):
-                if f.name in found:
-                    other = found[f.name]
-                    raise TypeError(f"option {f.name!r} is declared by {kind} {name!r} and by {other.kind} "
-                                    f"{other.plugin!r}: a flat option must name one plug-in's option; rename one")
-                found[f.name] = FlatOption(f.name, kind, name, f, hints[f.name])
+    for kind, name, options in declared:
+        if options is None or options.__module__.split(".")[0] != "marlhf":
+            continue
+        hints = typing.get_type_hints(options)
+        for f in dataclasses.fields(options):
+            if f.name in found:
+                other = found[f.name]
+                raise TypeError(f"option {f.name!r} is declared by {_declarer(kind, name)} and by "
+                                f"{_declarer(other.kind, other.plugin)}: a flat option must name one option; "
+                                "rename one")
+            found[f.name] = FlatOption(f.name, kind, name, f, hints[f.name])
     return found
 
 
-FLAT_OPTIONS: dict[str, FlatOption] = flat_options(PLUGINS)
+def _declarer(kind: str, plugin: str | None) -> str:
+    return f"{kind}_options" if plugin is None else f"{kind} {plugin!r}"
+
+
+FLAT_OPTIONS: dict[str, FlatOption] = flat_options(PLUGINS, BLOCKS)
 
 
 def import_named_plugins(argv: list[str]) -> None:
@@ -178,10 +200,9 @@ class PPOConfig(TrainingConfig):
     critic_warmup_steps: int = option(
         0, "the first N PPO steps train only the critic on their rollouts, the policy frozen (VC-PPO's value "
            "pretraining; OpenRLHF's freezing_steps, verl's critic_warmup); counted in the step budget", ge=0)
-    kl_target: float | None = option(
-        None, "adapt the KL coefficient after every step towards this KL (objective/kl), starting from kl_coef "
-              "(Ziegler et al. 2019; none: kl_coef stays fixed); logged as objective/kl_coef, kept in checkpoints",
-        gt=0)
+    kl_control_options: dict[str, Any] | None = option(
+        None, "the adaptive KL controller's options (marlhf.kl_control.AdaptiveKLOptions), a YAML mapping such as "
+              "'{kl_target: 6}' (each is also a flag, below)")
     max_generated_tokens: int | None = option(
         None, "token budget: end the run after the first step at which the tokens generated so far reach N, even "
               "before max_steps (every sampled response token and every Monte-Carlo continuation token, over all "
@@ -192,8 +213,6 @@ class PPOConfig(TrainingConfig):
               "max_generated_tokens counts them) reach N; it goes on a step at a time until they do, the "
               "learning-rate schedule laid out over max_steps and held at its last value past it (cosine's: 0); "
               "none: off", ge=1)
-    kl_horizon: int = option(10000, "kl_target: the controller's horizon in responses (smaller reacts faster; "
-                                    "must exceed 0.2 x the responses per step)", ge=1)
     value_weighting: ValueWeighting = option(
         "first", "a macro action's value from its token values: the first token's, the value of the state where "
                  "the macro action starts (first; not in the paper, the default since Study I, the credit-"
@@ -226,17 +245,9 @@ class PPOConfig(TrainingConfig):
                     "(the distribution sampled from) or from raw logits (the released code)")
 
     # Asynchronous rollouts (marlhf.staleness, marlhf.engines.worker; docs/async.md).
-    max_staleness: int = option(
-        0, "sample step t's responses with the policy after step max(start, t - k) in rollout worker processes, "
-           "which work k steps ahead while the trainer trains; the loss corrects for the lag (the ppo loss's "
-           "staleness_correction and behaviour_cap). 0: each step samples with its own policy (synchronous)", ge=0)
-    rollout_workers: int = option(
-        0, "rollout engine processes per training process, each step's responses split between them (0: the "
-           "engine runs in the trainer, between the other stages; max_staleness > 0 needs >= 1)", ge=0)
-    rollout_worker_threads: int = option(1, "torch CPU threads of each rollout worker", ge=1)
-    rollout_worker_timeout: float = option(
-        600.0, "seconds a waiting trainer gives a silent rollout worker (no result, no request started) before "
-               "it stops the run: a hung worker", gt=0)
+    async_rollout_options: dict[str, Any] | None = option(
+        None, "the asynchronous rollouts' options (marlhf.engines.worker.AsyncRolloutOptions), a YAML mapping such "
+              "as '{max_staleness: 1, rollout_workers: 1}' (each is also a flag, below)")
 
     # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
     use_lora: bool = option(
@@ -250,12 +261,11 @@ class PPOConfig(TrainingConfig):
                      "max_response_length", "max_length", "temperature", "top_k", "top_p"),
         "macro actions": ("termination", "termination_options", "last_token_own_segment"),
         "rewards and advantages": ("reward", "reward_fns", "reward_weights", "advantage", "advantage_options",
-                                   "num_samples_per_prompt", "kl_coef", "kl_target", "kl_horizon", "rm_score_clip",
+                                   "num_samples_per_prompt", "kl_coef", "kl_control_options", "rm_score_clip",
                                    "critic_warmup_steps", "value_weighting", "whiten_advantages",
                                    "advantage_mask_threshold"),
         "losses": ("policy_loss", "policy_loss_options", "loss_agg_mode", "value_clip_range", "value_loss_granularity"),
-        "asynchronous rollouts": ("max_staleness", "rollout_workers", "rollout_worker_threads",
-                                  "rollout_worker_timeout"),
+        "asynchronous rollouts": ("async_rollout_options",),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
     RENAMED = {"rollout_logprobs": "old_logprobs_from"}
@@ -399,14 +409,19 @@ class PPOConfig(TrainingConfig):
         """Each block's built-in options checked (type and bounds, the error naming the plug-in and the option; one
         given flat was checked under its flat name by expand_values), those at their default dropped (so equal
         configs compare equal), a block left empty None."""
-        for kind in PLUGINS:
+        for kind in (*PLUGINS, *BLOCKS):
             block = dict(getattr(self, f"{kind}_options") or {})
+            unknown = sorted(set(block) - set(FLAT_OPTIONS)) if kind in BLOCKS else []
+            if unknown:
+                declared = [f.name for f in dataclasses.fields(BLOCKS[kind])]
+                raise ValueError(f"{kind}_options has no option {unknown[0]!r}{did_you_mean(unknown[0], declared)}; "
+                                 f"its options: {', '.join(declared)}")
             for key in [key for key in block if key in FLAT_OPTIONS]:
                 flat = FLAT_OPTIONS[key]
                 if flat.kind != kind:
-                    raise ValueError(f"{kind}_options: {key!r} is an option of {PLUGINS[flat.kind].kind} "
-                                     f"{flat.plugin!r}: set it as {key} or in {flat.kind}_options")
-                block[key] = _checked(flat, block[key], f"{PLUGINS[kind].kind} {flat.plugin!r} option {key!r}")
+                    raise ValueError(f"{kind}_options: {key!r} is an option of {flat.owner}: set it as {key} or in "
+                                     f"{flat.kind}_options")
+                block[key] = _checked(flat, block[key], f"{flat.owner} option {key!r}")
                 if block[key] == flat.default:
                     del block[key]
             object.__setattr__(self, f"{kind}_options", block or None)
@@ -443,7 +458,7 @@ class PPOConfig(TrainingConfig):
         """Also a flat option that an earlier version kept in its block (`termination_options: {threshold: 0.8}`)
         written flat."""
         values = super().as_written(values)
-        for kind in PLUGINS:
+        for kind in (*PLUGINS, *BLOCKS):
             block = values.get(f"{kind}_options")
             if isinstance(block, dict) and set(block) & set(FLAT_OPTIONS):
                 values.update({k: v for k, v in block.items() if k in FLAT_OPTIONS})
@@ -452,14 +467,16 @@ class PPOConfig(TrainingConfig):
 
     def to_dict(self) -> dict[str, Any]:
         """The options as a config file holds them: the flat options (all of them, at their values) after their
-        kind's block, which keeps only the options of plug-ins outside marlhf (None when there are none)."""
+        kind's block, which keeps only the options of plug-ins outside marlhf (None when there are none); a block
+        of no plug-in kind (BLOCKS) holds only flat options and is not written."""
         values = {}
         for name, value in super().to_dict().items():
             kind = name.removesuffix("_options")
-            if kind == name or kind not in PLUGINS:
+            if kind == name or kind not in PLUGINS and kind not in BLOCKS:
                 values[name] = value
                 continue
-            values[name] = {k: v for k, v in (value or {}).items() if k not in FLAT_OPTIONS} or None
+            if kind in PLUGINS:
+                values[name] = {k: v for k, v in (value or {}).items() if k not in FLAT_OPTIONS} or None
             for flat in FLAT_OPTIONS.values():
                 if flat.kind == kind:
                     value = self.flat_value(flat.name)
@@ -475,7 +492,7 @@ class PPOConfig(TrainingConfig):
         `dataclasses.replace(config, ngram=3)` needs)."""
         values = super().expand_values(values, strict)
         blocks = {}
-        for kind in PLUGINS:
+        for kind in (*PLUGINS, *BLOCKS):
             block = values.get(f"{kind}_options")
             if isinstance(block, str):  # YAML text from the command line
                 block = coerce_option(f"{kind}_options", block, dict[str, Any] | None)
@@ -509,6 +526,15 @@ class PPOConfig(TrainingConfig):
         first, so it is listed too: import_named_plugins)."""
         super().add_arguments(parser)
         groups = parser._action_groups
+        for kind in BLOCKS:  # a block of no plug-in kind: its options right after it, in its section
+            group = next(g for g in groups if any(a.dest == f"{kind}_options" for a in g._group_actions))
+            actions, count = group._group_actions, len(group._group_actions)
+            for flat in FLAT_OPTIONS.values():
+                if flat.kind == kind:
+                    add_option_argument(group, [f"--{flat.name}"], flat.name, flat.annotation, flat.field)
+            added, actions[count:] = actions[count:], []
+            after = next(i for i, a in enumerate(actions) if a.dest == f"{kind}_options") + 1
+            actions[after:after] = added
         for kind, registry in PLUGINS.items():
             after = next(g for g in groups if any(a.dest == kind for a in g._group_actions))
             sections = []
@@ -557,9 +583,10 @@ def _put(blocks: dict[str, dict], values: dict[str, Any], key: str, value: Any, 
 
 
 def _flat_property(name: str) -> property:
+    flat = FLAT_OPTIONS[name]
     return property(lambda self: self.flat_value(name),
-                    doc=f"{FLAT_OPTIONS[name].field.metadata.get('help', '')} (option of {FLAT_OPTIONS[name].kind} "
-                        f"{FLAT_OPTIONS[name].plugin!r}; its value lives in {FLAT_OPTIONS[name].kind}_options)")
+                    doc=f"{flat.field.metadata.get('help', '')} (option of {_declarer(flat.kind, flat.plugin)}; its "
+                        f"value lives in {flat.kind}_options)")
 
 
 def _accepting_flat_options(init):
