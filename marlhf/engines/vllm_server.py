@@ -39,9 +39,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from typing import Literal
+
 import torch
 from torch import nn
 
+from marlhf.config import option
 from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine
 from marlhf.engines.vllm import _bucket, _policy_weights
 from marlhf.errors import MarlhfError
@@ -53,22 +56,17 @@ SERVER_RANK, TRAINER_RANK = 0, 1  # ranks in the weight group of two
 
 @dataclasses.dataclass(frozen=True)
 class VLLMServerOptions:
-    """The vllm_server engine's options (`--rollout_engine_options '{url: "http://HOST:8000"}'`).
+    """The vllm_server engine's options (`--rollout_engine_options '{url: "http://HOST:8000"}'`)."""
 
-    url: where `marlhf vllm-serve` listens (http://HOST:PORT).
-    timeout: seconds one request (a rollout, a weight sync) may take.
-    connect_timeout: seconds to wait for the server's /health when the engine is made (then one line).
-    group_port: the port on the server's host of the weight group's TCPStore (`marlhf vllm-serve --group_port`'s
-        default is the same).
-    backend: the weight group's torch.distributed backend, "gloo" (CPU tensors) or "nccl" (GPU tensors, both
-        ends on GPUs); None: nccl where the trainer has CUDA, else gloo.
-    """
-
-    url: str = "http://127.0.0.1:8000"
-    timeout: float = 600.0
-    connect_timeout: float = 10.0
-    group_port: int = 51216
-    backend: str | None = None
+    url: str = option("http://127.0.0.1:8000", "where `marlhf vllm-serve` listens (http://HOST:PORT)")
+    timeout: float = option(600.0, "seconds one request (a rollout, a weight sync) may take", gt=0)
+    connect_timeout: float = option(
+        10.0, "seconds to wait for the server's /health when the engine is made (then one line)", gt=0)
+    group_port: int = option(51216, "the port on the server's host of the weight group's TCPStore (`marlhf "
+                                    "vllm-serve --group_port`'s default is the same)", ge=1, le=65535)
+    backend: Literal["gloo", "nccl"] | None = option(
+        None, "the weight group's torch.distributed backend: gloo (CPU tensors) or nccl (GPU tensors, both ends on "
+              "GPUs); none: nccl where the trainer has CUDA, else gloo")
 
     def __post_init__(self) -> None:
         name = "rollout engine 'vllm_server' option"
