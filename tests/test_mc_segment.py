@@ -235,7 +235,9 @@ def test_options_and_errors():
         get_estimator("mc_segment").obj(_toy_batch(None))
     assert not get_estimator("mc_segment").needs_critic
     help_text = build_parser("ppo")._subparsers._group_actions[0].choices["ppo"].format_help()
-    assert "mc_segment (mc_samples=4, max_boundaries=4)" in " ".join(help_text.split())
+    section = " ".join(help_text.split()).split("advantage estimator mc_segment (--advantage mc_segment", 1)[1]
+    assert "--mc_samples MC_SAMPLES continuations sampled per kept boundary (K) (default: 4)" in section
+    assert "(default: 4) advantage estimator" in section.split("--max_boundaries MAX_BOUNDARIES", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------- in PPO
