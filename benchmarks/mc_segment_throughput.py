@@ -27,6 +27,7 @@ import torch
 from ppo_step import llama, word_tokenizer
 
 from marlhf.continuations import PrefixContinuations
+from marlhf.engines import model_positions
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values
 from marlhf.data.encoding import pad_sequences
@@ -78,7 +79,7 @@ def main() -> None:
                                                                   **sampling)),
             lambda rows, q, qm, ids, mask: mask.sum(1).float(),
             lambda row, length, sample: _seed(round_seed, row, length + 1, sample),
-            arguments.new_tokens, tokenizer.pad_token_id)
+            arguments.new_tokens, tokenizer.pad_token_id, model_positions(policy))
         segment_ids = keep_boundaries(fixed_ngram(generation.response_mask, arguments.ngram), arguments.max_boundaries)
         mc_boundary_values(continuer, segment_ids, arguments.mc_samples)
         return continuer, int(num_segments(segment_ids).sum())

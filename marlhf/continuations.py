@@ -63,10 +63,16 @@ class PrefixContinuations:
     calls and the continuation tokens it keeps (`calls`, `tokens`; a continuation past the response length is cut
     there, and its cut tokens are not counted).
 
+    One call generates max_response_length - (the shortest prefix) tokens for every row, so a row with a longer
+    prefix runs past its own budget (those tokens are cut). When that would take a row past `max_length` positions
+    (prompt + prefix + generated: the run's context, which the main rollout fits), the rows are split, by prefix
+    length, into the fewest calls that fit: the engine is never asked for positions the model may not have.
+
     prompt_ids, prompt_mask: [B, P], the step's prompts; response_ids: [B, T], its responses;
     generate(ids, mask, row_seeds, max_new_tokens) -> Generation: the run's engine with its sampling settings;
     score(rows, prompt_ids, prompt_mask, response_ids, response_mask) -> float [N]: final scores of full responses;
-    max_response_length: the longest response (prefix + continuation)."""
+    max_response_length: the longest response (prefix + continuation); max_length: the longest prompt + response
+    a call may reach (the run's context, at least the longest prompt + max_response_length)."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -76,6 +82,7 @@ class PrefixContinuations:
     seed: Callable[[int, int, int], int]
     max_response_length: int
     pad_token_id: int
+    max_length: int
     calls: int = 0
     tokens: int = 0
 
@@ -89,9 +96,40 @@ class PrefixContinuations:
         seeds = [self.seed(row, length, i % k) for i, (row, length) in enumerate(zip(host_rows, host_lengths))]
         ids, mask = prefixed_prompts(self.prompt_ids, self.prompt_mask, self.response_ids, rows, prefix_lengths,
                                      self.pad_token_id)
-        continuation = self.generate(ids, mask, seeds, self.max_response_length - min(host_lengths))
-        self.calls += 1
-        responses = join_continuations(self.response_ids, rows, prefix_lengths, continuation,
-                                       self.max_response_length, self.pad_token_id)
-        self.tokens += int(responses[1].sum()) - sum(host_lengths)
-        return self.score(host_rows, self.prompt_ids[rows], self.prompt_mask[rows], *responses).view(-1, k)
+        groups = self._calls_that_fit(mask.sum(1).tolist(), host_lengths)
+        width = self.max_response_length
+        response_ids = torch.full((len(host_rows), width), self.pad_token_id, dtype=self.response_ids.dtype,
+                                  device=rows.device)
+        response_mask = torch.zeros((len(host_rows), width), dtype=torch.bool, device=rows.device)
+        for group in groups:
+            index = torch.tensor(group, device=rows.device)
+            # A group's own left padding: the shortest columns that hold its longest prefix.
+            group_mask = mask[index]
+            used = int(group_mask.sum(1).max())
+            continuation = self.generate(ids[index, ids.shape[1] - used:], group_mask[:, mask.shape[1] - used:],
+                                         [seeds[i] for i in group], width - min(host_lengths[i] for i in group))
+            response_ids[index], response_mask[index] = join_continuations(
+                self.response_ids, rows[index], prefix_lengths[index], continuation, width, self.pad_token_id)
+        self.calls += len(groups)
+        self.tokens += int(response_mask.sum()) - sum(host_lengths)
+        return self.score(host_rows, self.prompt_ids[rows], self.prompt_mask[rows], response_ids,
+                          response_mask).view(-1, k)
+
+    def _calls_that_fit(self, lengths: list[int], prefix_lengths: list[int]) -> list[list[int]]:
+        """The rows of each engine call: all in one when the longest input (prompt + prefix, `lengths`) plus the
+        tokens to generate (max_response_length - the shortest prefix) fits max_length; otherwise consecutive runs
+        of the rows sorted by prefix length, each as long as it fits (a row alone always fits: its prompt plus
+        max_response_length does)."""
+        groups: list[list[int]] = []
+        longest = shortest_prefix = 0  # of the last group
+        for i in sorted(range(len(lengths)), key=lambda i: (prefix_lengths[i], i)):
+            if groups and max(longest, lengths[i]) + self.max_response_length - shortest_prefix <= self.max_length:
+                groups[-1].append(i)
+                longest = max(longest, lengths[i])
+                continue
+            if lengths[i] + self.max_response_length - prefix_lengths[i] > self.max_length:
+                raise ValueError(f"a prompt of {lengths[i] - prefix_lengths[i]} tokens plus max_response_length "
+                                 f"{self.max_response_length} exceeds max_length {self.max_length}")
+            groups.append([i])
+            longest, shortest_prefix = lengths[i], prefix_lengths[i]
+        return [sorted(group) for group in groups]

@@ -152,7 +152,7 @@ LENGTH = 6
 RESPONSES = torch.tensor([[HIT, HIT, MISS, HIT, MISS, MISS], [MISS, HIT, HIT, HIT, 0, 0], [HIT, 0, 0, 0, 0, 0]])
 
 
-def _continuations(engine: MarkovEngine, run_seed: int) -> PrefixContinuations:
+def _continuations(engine: MarkovEngine, run_seed: int, max_length: int = 64) -> PrefixContinuations:
     prompt_ids = torch.full((3, 2), PROMPT)
 
     def score(rows, prompt_ids, prompt_mask, response_ids, response_mask):
@@ -162,7 +162,8 @@ def _continuations(engine: MarkovEngine, run_seed: int) -> PrefixContinuations:
         return engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens)
 
     return PrefixContinuations(prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool), RESPONSES, generate, score,
-                               lambda row, length, sample: ppo._seed(run_seed, row, length + 1, sample), LENGTH, 0)
+                               lambda row, length, sample: ppo._seed(run_seed, row, length + 1, sample), LENGTH, 0,
+                               max_length)
 
 
 def _toy_batch(continue_and_score, max_boundaries: int = 2, k: int = 4) -> AdvantageBatch:
@@ -224,6 +225,33 @@ def test_continuations_are_seeded_per_row_and_reproducible():
     assert engine.calls[0] == [ppo._seed(0, b, t + 1, j) for b, t in boundaries for j in range(3)]
     other = get_estimator("mc_segment").obj(_toy_batch(_continuations(engine, 1), max_boundaries=3, k=3))[0]
     assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("max_length", [2 + LENGTH, 2 + LENGTH + 1, 2 + LENGTH + 3])
+def test_continuations_split_into_calls_that_fit_max_length(max_length):
+    """One call generates LENGTH - (shortest prefix) tokens for every row: when a longer prefix would take its row
+    past max_length positions, the rows are split by prefix length into calls that each fit, and every score is
+    the one the single call gives (a continuation depends on its prefix and seed only)."""
+    rows, prefix_lengths = torch.tensor([0, 0, 1, 1, 2, 0]), torch.tensor([0, 2, 0, 3, 1, 5])
+    one_call = _continuations(MarkovEngine(), 0)(rows, prefix_lengths, 2)
+
+    class FittingEngine(MarkovEngine):
+        def generate(self, prompt_ids, prompt_mask, *, row_seeds, max_new_tokens, **sampling):
+            assert int(prompt_mask.sum(1).max()) + max_new_tokens <= max_length
+            assert prompt_mask[:, -1].all()  # left-padded: every row's last column is real
+            return super().generate(prompt_ids, prompt_mask, row_seeds=row_seeds, max_new_tokens=max_new_tokens)
+
+    engine = FittingEngine()
+    continuer = _continuations(engine, 0, max_length)
+    torch.testing.assert_close(continuer(rows, prefix_lengths, 2), one_call, rtol=0, atol=0)
+    distinct = len(set(prefix_lengths.tolist()))
+    assert 1 < continuer.calls == len(engine.calls) <= distinct  # a call per prefix length at most
+    assert sorted(seed for call in engine.calls for seed in call) == sorted(
+        ppo._seed(0, r, t + 1, j) for r, t in zip(rows.tolist(), prefix_lengths.tolist()) for j in range(2))
+    if max_length == 2 + LENGTH:  # no slack: only equal prefixes share a call
+        assert continuer.calls == distinct
+    with pytest.raises(ValueError, match="a prompt of 2 tokens plus max_response_length 6 exceeds max_length 7"):
+        _continuations(MarkovEngine(), 0, 7)(rows, prefix_lengths, 1)
 
 
 def test_options_and_errors():

@@ -8,6 +8,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Te
                           TopPLogitsWarper)
 
 from marlhf.data.encoding import pad_sequences
+from marlhf.errors import MarlhfError
 from marlhf.modeling import ScalarHeadModel
 from marlhf.engines.base import response_mask_from_ids
 from marlhf.engines.hf import CounterGumbelNoise, RowGumbelNoise, counter_uniforms, generate_responses, mix32
@@ -65,6 +66,18 @@ def test_generate_responses_shapes_masks_and_eos():
         assert EOS not in response_ids[row, : lengths[row] - 1].tolist()
     with pytest.raises(ValueError, match="row_seeds"):
         _sample(policy, prompt_ids, prompt_mask, range(3))
+
+
+def test_the_hf_engine_will_not_run_past_the_models_positions():
+    """Longest real prompt (4 tokens; left padding takes no position) + max_new_tokens <= 64 positions."""
+    policy, (prompt_ids, prompt_mask) = _eight_token_lm(), _prompts()
+    assert _sample(policy, prompt_ids, prompt_mask, range(10), max_new_tokens=60)[0].shape[1] <= 60
+    padded = torch.cat([torch.zeros_like(prompt_ids), prompt_ids], dim=1)  # wider, the same real tokens
+    _sample(policy, padded, torch.cat([torch.zeros_like(prompt_mask), prompt_mask], dim=1), range(10),
+            max_new_tokens=60)
+    with pytest.raises(MarlhfError, match=r"^the hf engine would run past the model's 64 positions \(a prompt of 4 "
+                                          r"tokens \+ 61 new ones\): lower max_prompt_length or max_response_length$"):
+        _sample(policy, prompt_ids, prompt_mask, range(10), max_new_tokens=61)
 
 
 @pytest.mark.parametrize("noise", ["row_generators", "counter_hash"])

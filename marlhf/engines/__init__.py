@@ -39,11 +39,11 @@ edit:
 """
 
 from marlhf.engines.base import (ENGINES, REGISTRY, EngineContext, Generation, RolloutEngine, check_sampling,
-                                 get_engine, make_engine, register_engine, response_mask_from_ids)
+                                 get_engine, make_engine, model_positions, register_engine, response_mask_from_ids)
 from marlhf.engines.hf import HFEngine, HFOptions  # noqa: E402  (importing an engine's file registers it)
 from marlhf.engines.vllm import VLLMEngine, VLLMOptions  # noqa: E402
 from marlhf.engines.vllm_server import VLLMServerEngine, VLLMServerOptions  # noqa: E402
 
 __all__ = ["RolloutEngine", "Generation", "EngineContext", "REGISTRY", "ENGINES", "register_engine", "get_engine",
-           "make_engine", "check_sampling", "response_mask_from_ids", "HFEngine", "HFOptions", "VLLMEngine",
+           "make_engine", "check_sampling", "model_positions", "response_mask_from_ids", "HFEngine", "HFOptions", "VLLMEngine",
            "VLLMOptions", "VLLMServerEngine", "VLLMServerOptions"]

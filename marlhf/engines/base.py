@@ -14,6 +14,7 @@ from torch import nn
 from marlhf.plugins import Plugin, Registry
 
 __all__ = ["RolloutEngine", "Generation", "EngineContext", "REGISTRY", "ENGINES", "register_engine", "get_engine",
+           "model_positions",
            "make_engine", "check_sampling", "response_mask_from_ids"]
 
 
@@ -84,6 +85,12 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0 (0 turns it off), got {top_k}")
 
+
+
+def model_positions(model: nn.Module) -> int | None:
+    """The positions the model has (its config's `max_position_embeddings`; a LoRA model's are its base's), or
+    None when it names none: what a prompt plus its generated tokens may not exceed."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:

@@ -21,7 +21,9 @@ from transformers import (CompileConfig, LogitsProcessor, LogitsProcessorList, T
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from marlhf.config import option
-from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine, response_mask_from_ids
+from marlhf.engines.base import (EngineContext, Generation, check_sampling, model_positions, register_engine,
+                                 response_mask_from_ids)
+from marlhf.errors import MarlhfError
 
 __all__ = ["HFEngine", "HFOptions", "SamplingNoise", "KVCache", "generate_responses", "RowGumbelNoise",
            "CounterGumbelNoise", "SampledTokenLogprobs", "counter_uniforms", "mix32"]
@@ -154,6 +156,12 @@ def generate_responses(
     by torch.compile (`static_compiled`, on any device; the first call compiles). `static` stays eager even on
     GPUs, where transformers would otherwise compile a static-cache decode by itself."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    positions = model_positions(policy)
+    if positions is not None and prompt_mask.numel():
+        longest = int(prompt_mask.sum(1).max())  # positions count real tokens only (left padding has none)
+        if longest + max_new_tokens > positions:
+            raise MarlhfError(f"the hf engine would run past the model's {positions} positions (a prompt of {longest} "
+                              f"tokens + {max_new_tokens} new ones): lower max_prompt_length or max_response_length")
     if row_seeds is None:
         row_seeds = torch.randint(2**31 - 1, (prompt_ids.shape[0],)).tolist()
     if len(row_seeds) != prompt_ids.shape[0]:

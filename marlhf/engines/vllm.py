@@ -63,7 +63,8 @@ import torch
 from torch import nn
 
 from marlhf.config import option
-from marlhf.engines.base import EngineContext, Generation, check_sampling, register_engine, response_mask_from_ids
+from marlhf.engines.base import (EngineContext, Generation, check_sampling, model_positions, register_engine,
+                                 response_mask_from_ids)
 from marlhf.errors import MarlhfError, MissingPackage, did_you_mean
 
 __all__ = ["VLLMEngine", "VLLMOptions", "MISSING", "check_vllm"]
@@ -384,7 +385,7 @@ class VLLMEngine:
         model_config = (policy.get_base_model() if _is_peft(policy) else policy).config
         model_config.to_json_file(os.path.join(self._tmpdir.name, "config.json"))
         lengths = [n for n in (options.max_model_len, self.max_length,
-                               getattr(policy.config, "max_position_embeddings", None)) if n is not None]
+                               model_positions(policy)) if n is not None]
         kwargs = dict(model=self._tmpdir.name, load_format="dummy", skip_tokenizer_init=True,
                       logprobs_mode="raw_logprobs",
                       dtype=str(next(policy.parameters()).dtype).removeprefix("torch."), seed=0,

@@ -65,7 +65,7 @@ from transformers import PreTrainedTokenizerBase
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, low_prob_advantage_mask, whiten
 from marlhf.data.records import prompt_records, require_fields
-from marlhf.engines import RolloutEngine
+from marlhf.engines import RolloutEngine, model_positions
 from marlhf.estimators import AdvantageBatch
 from marlhf.kl_control import AdaptiveKLController
 from marlhf.logging_utils import MetricsLogger, reduce_metrics
@@ -576,6 +576,13 @@ def _sampling(run: PPORun) -> dict[str, Any]:
                 pad_token_id=run.tokenizer.pad_token_id)
 
 
+def _context_length(run: PPORun) -> int:
+    """The longest prompt + response an engine call may reach: max_length, or fewer if the policy has fewer
+    positions."""
+    positions = model_positions(run.accelerator.unwrap_model(run.policy))
+    return run.config.max_length if positions is None else min(run.config.max_length, positions)
+
+
 def _clipped(run: PPORun, scores: torch.Tensor) -> torch.Tensor:
     """Scores clipped to rm_score_clip if set: what the rewards and the Monte-Carlo values use."""
     clip = run.config.rm_score_clip
@@ -609,7 +616,7 @@ def _prefix_continuations(run: PPORun, experience: Experience) -> PrefixContinua
     return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
                                lambda row, length, sample: _seed(config.seed, step, first_row + row, length + 1,
                                                                  sample),
-                               config.max_response_length, run.tokenizer.pad_token_id)
+                               config.max_response_length, run.tokenizer.pad_token_id, _context_length(run))
 
 
 def _check_update_inputs(experience: Experience) -> None:
