@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marlhf.demo.config import DemoConfig  # noqa: E402
 from marlhf.demo.pipeline import build_models, run_method  # noqa: E402
+from marlhf.evaluation.plots import pyplot  # noqa: E402
 from marlhf.logging_utils import read_metrics  # noqa: E402
 
 METHODS = {"ppo": {"termination": "fixed", "ngram": 1}, "ma_ppo": {"termination": "fixed", "ngram": 5}}
@@ -56,7 +57,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--summarize", action="store_true", help="print the table and draw the figure of OUT's "
+                                                                   "results.json, without running anything")
     arguments = parser.parse_args()
+    out = arguments.out
+    if not arguments.summarize:
+        (out / "results.json").write_text(json.dumps(measure(arguments), indent=1) + "\n")
+    summarize(out, quick=arguments.quick)
+
+
+def measure(arguments: argparse.Namespace) -> list[dict]:
+    """Every (method, arm, seed) run, one after the other, from the same SFT and reward models."""
     out = arguments.out
     config = (DemoConfig.quick(out=str(out), ppo_steps=4) if arguments.quick else DemoConfig(out=str(out)))
     torch.set_num_threads(2)
@@ -83,17 +94,86 @@ def main() -> None:
                                  seconds_with_eval=total,
                                  rollout_wait=[m.get("time/rollout_wait") for m in metrics]))
     torch.set_num_threads(2)
-    (out / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
-    print(f"\n{'method':8} {'arm':7} {'steps/s (95% CI)':32} {'x sync':>7}  held-out gold (95% CI)")
+    return runs
+
+
+def summarize(out: Path, quick: bool = False) -> None:
+    """The table (mean over seeds, 95% t-interval; each arm's steps/s over sync's) and OUT/async_ppo.png."""
+    runs = json.loads((out / "results.json").read_text())
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
+    for run in runs:  # without the first k + 1 steps, which wait for the workers' start (k = 2: the largest)
+        seconds = [m["time/step_seconds"] for m in read_metrics(out / "runs" / run["method"] / run["arm"]
+                                                                / f"seed{run['seed']}")][3:]
+        run["steady_steps_per_s"] = len(seconds) / sum(seconds) if seconds else float("nan")
+    print(f"\n{'method':8} {'arm':7} {'steps/s (95% CI)':28} {'x sync':>6}  {'from step 3':28} {'x sync':>6}  "
+          f"held-out gold (95% CI)")
     for method in METHODS:
-        base = [r["steps_per_s"] for r in runs if r["method"] == method and r["arm"] == "sync"]
-        for arm in arguments.arms:
+        base = [r for r in runs if r["method"] == method and r["arm"] == "sync"]
+        for arm in arms:
             mine = [r for r in runs if r["method"] == method and r["arm"] == arm]
-            speed = [r["steps_per_s"] for r in mine]
-            ratio = f"{statistics.fmean(speed) / statistics.fmean(base):.2f}" if base else "-"
-            print(f"{method:8} {arm:7} {interval(speed):32} {ratio:>7}  {interval([r['gold_final'] for r in mine])}")
-    if arguments.quick:
+            columns = []
+            for key in ("steps_per_s", "steady_steps_per_s"):
+                speed = [r[key] for r in mine]
+                ratio = f"{statistics.fmean(speed) / statistics.fmean(r[key] for r in base):.2f}" if base else "-"
+                columns.append(f"{interval(speed):28} {ratio:>6}")
+            print(f"{method:8} {arm:7} {'  '.join(columns)}  {interval([r['gold_final'] for r in mine])}")
+    plot(runs, arms, out, out / "async_ppo.png")
+    print(f"figure: {out / 'async_ppo.png'}")
+    if quick:
         print("(--quick: a check that the benchmark runs, not a measurement)")
+
+
+STAGES = {"time/rollout_wait": "waiting for the rollout", "time/generation": "generation (in the trainer)",
+          "time/scoring": "scoring", "time/advantages": "advantages", "update": "update",
+          "other": "the rest (metrics, logging)"}
+
+
+def plot(runs: list[dict], arms: list[str], out: Path, path: Path) -> None:
+    """Per method: the rollouts' gold against training wall time (mean over seeds at each step), and the mean
+    seconds of a step by stage for each arm (from the runs' metrics.jsonl)."""
+    plt = pyplot()
+    figure, axes = plt.subplots(2, len(METHODS), figsize=(6 * len(METHODS), 8), squeeze=False)
+    for column, method in enumerate(METHODS):
+        curves, bars = axes[0][column], axes[1][column]
+        for arm in arms:
+            mine = [r for r in runs if r["method"] == method and r["arm"] == arm]
+            steps = min(len(r["gold_curve"]) for r in mine)
+            clock = [statistics.fmean(r["gold_curve"][i][0] for r in mine) for i in range(steps)]
+            gold = [statistics.fmean(r["gold_curve"][i][1] for r in mine) for i in range(steps)]
+            curves.plot(clock, gold, label=f"{arm} ({len(mine)} seeds)")
+        curves.set(title=f"{method}: rollout gold against wall time", xlabel="training seconds",
+                   ylabel="gold reward of the step's rollouts")
+        curves.legend()
+        bottom = [0.0] * len(arms)
+        for stage, label in STAGES.items():
+            heights = [_mean_stage(out, method, arm, stage) for arm in arms]
+            bars.bar(arms, heights, bottom=bottom, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        bars.set(title=f"{method}: seconds of a step, by stage (mean)", ylabel="seconds",
+                 ylim=(0, max(bottom) * 1.6))
+        bars.legend(fontsize="small", ncols=2, loc="upper center")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _mean_stage(out: Path, method: str, arm: str, stage: str) -> float:
+    """A stage's mean seconds per step over the arm's runs. With workers, time/generation is the wait (the
+    stage's clock covers it), so the wait is drawn once; `update` is time/update without the advantages; `other`
+    the rest of time/step_seconds."""
+    values = []
+    for run_dir in sorted((out / "runs" / method / arm).glob("seed*")):
+        for m in read_metrics(run_dir):
+            waited = "time/rollout_wait" in m
+            if stage == "update":
+                values.append(m["time/update"] - m["time/advantages"])
+            elif stage == "other":
+                values.append(m["time/step_seconds"] - m["time/generation"] - m["time/scoring"] - m["time/update"])
+            elif stage == "time/generation":
+                values.append(0.0 if waited else m["time/generation"])
+            else:
+                values.append(m.get(stage, 0.0))
+    return statistics.fmean(values) if values else 0.0
 
 
 if __name__ == "__main__":
