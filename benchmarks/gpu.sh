@@ -101,7 +101,8 @@ def engine_options(directory):
                               stdout=open(f"{directory}/server.log", "w"), stderr=subprocess.STDOUT)
     try:
         yield dict(rollout_engine="vllm_server", rollout_engine_options=dict(
-            url=f"http://127.0.0.1:{port}", group_port=group_port, backend="gloo", connect_timeout=900))
+            server_url=f"http://127.0.0.1:{port}", server_group_port=group_port, server_backend="gloo",
+            server_connect_timeout=900))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(120)

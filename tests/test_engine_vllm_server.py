@@ -60,8 +60,8 @@ def _same(a: Generation, b: Generation) -> None:
 # ---- everywhere (with or without vLLM) ---------------------------------------------------------------------
 def test_registered_with_its_options():
     assert get_engine("vllm_server").obj is VLLMServerEngine
-    for bad, what in (({"url": "localhost:8000"}, "'url'"), ({"timeout": 0}, "'timeout'"),
-                      ({"backend": "mpi"}, "'backend'"), ({"group_port": 0}, "'group_port'")):
+    for bad, what in (({"server_url": "localhost:8000"}, "'server_url'"), ({"server_timeout": 0}, "'server_timeout'"),
+                      ({"server_backend": "mpi"}, "'server_backend'"), ({"server_group_port": 0}, "'server_group_port'")):
         with pytest.raises(ValueError, match=what):
             VLLMServerOptions(**bad)
 
@@ -70,7 +70,7 @@ def test_an_unreachable_url_fails_in_one_line_under_15_s():
     url = f"http://127.0.0.1:{_free_port()}"
     began = time.monotonic()
     with pytest.raises(MarlhfError) as error:
-        VLLMServerEngine(EngineContext(options=VLLMServerOptions(url=url)))
+        VLLMServerEngine(EngineContext(options=VLLMServerOptions(server_url=url)))
     assert time.monotonic() - began < 15
     message = str(error.value)
     assert "\n" not in message and url in message and "marlhf vllm-serve" in message
@@ -82,7 +82,8 @@ def test_an_unreachable_url_stops_the_ppo_run_before_anything_is_written(tmp_pat
 
     out = tmp_path / "run"
     config = _config(out, rollout_engine="vllm_server",
-                     rollout_engine_options={"url": f"http://127.0.0.1:{_free_port()}", "connect_timeout": 2})
+                     rollout_engine_options={"server_url": f"http://127.0.0.1:{_free_port()}",
+                                             "server_connect_timeout": 2})
     with pytest.raises(MarlhfError, match="no server answers"):
         train_ppo(config, [r["prompt"] for r in RECORDS], tokenizer=tiny_tokenizer, reward_fn=count_e)
     assert not out.exists()
@@ -117,7 +118,7 @@ def test_weights_travel_over_gloo_and_only_what_changed(tiny_tokenizer):
     loop.start()
     try:
         client = VLLMServerEngine(EngineContext(options=VLLMServerOptions(
-            url=f"http://127.0.0.1:{server.port}", group_port=server.group_port, timeout=60)))
+            server_url=f"http://127.0.0.1:{server.port}", server_group_port=server.group_port, server_timeout=60)))
         client.sync_weights(trainer)
         names = list(trainer.state_dict())
         assert sorted(client.last_sync) == sorted(names)
@@ -160,7 +161,7 @@ def test_a_lora_policy_sends_its_merged_layers_and_then_only_those(tiny_tokenize
     loop.start()
     try:
         client = VLLMServerEngine(EngineContext(options=VLLMServerOptions(
-            url=f"http://127.0.0.1:{server.port}", group_port=server.group_port, timeout=60)))
+            server_url=f"http://127.0.0.1:{server.port}", server_group_port=server.group_port, server_timeout=60)))
         client.sync_weights(trainer)
         assert not any("lora" in name or "base_layer" in name for name in client.last_sync)
         merged = merge_lora(copy.deepcopy(trainer)).state_dict()
@@ -216,7 +217,8 @@ def test_the_server_samples_what_the_colocated_engine_samples(colocated, server,
     engine, model, _ = colocated
     port, group_port = server
     client = VLLMServerEngine(EngineContext(options=VLLMServerOptions(
-        url=f"http://127.0.0.1:{port}", group_port=group_port, connect_timeout=600, timeout=300)))
+        server_url=f"http://127.0.0.1:{port}", server_group_port=group_port, server_connect_timeout=600,
+        server_timeout=300)))
     seeds = [3, 4, 5, 6]
     try:
         client.sync_weights(model)
@@ -241,7 +243,8 @@ def test_ppo_trains_with_the_server(server, tiny_tokenizer, tmp_path):
 
     port, group_port = server
     config = _config(tmp_path, rollout_engine="vllm_server", log_rollout_logprob_diff=True,
-                     rollout_engine_options={"url": f"http://127.0.0.1:{port}", "group_port": group_port})
+                     rollout_engine_options={"server_url": f"http://127.0.0.1:{port}",
+                                             "server_group_port": group_port})
     train_ppo(config, [r["prompt"] for r in RECORDS], policy=_model(tiny_tokenizer), tokenizer=tiny_tokenizer,
               reward_fn=count_e)
     metrics = read_metrics(config.output_dir)

@@ -49,7 +49,7 @@ def _other_value(flat):
         return (2, 4)
     if flat.name == "engine_kwargs":
         return {"max_num_seqs": 4}
-    if flat.name == "url":
+    if flat.name == "server_url":
         return "http://127.0.0.1:9"
     choices = getattr(flat.annotation, "__args__", ())
     literal = next((a for a in choices if getattr(a, "__origin__", None) is not None), flat.annotation)

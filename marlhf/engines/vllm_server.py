@@ -3,7 +3,7 @@ client of `marlhf vllm-serve` (marlhf.engines.vllm_serve), as TRL's `vllm_mode="
 
     marlhf vllm-serve --model PATH --host 0.0.0.0 --port 8000          # on the machine (or device) that samples
     marlhf ppo ... --rollout_engine vllm_server \\
-        --rollout_engine_options '{url: "http://HOST:8000"}'           # the trainer
+        --rollout_engine_options '{server_url: "http://HOST:8000"}'    # the trainer
 
 Two channels, as in TRL:
 
@@ -13,7 +13,7 @@ Two channels, as in TRL:
   and shapes of the tensors about to come), `/weights_loaded` (answered once they are in) and
   `/close_communicator`.
 - torch.distributed for the weights: a process group of two, the server rank 0 (it hosts the group's TCPStore on
-  `group_port`) and the trainer rank 1, made without touching the default process group (Accelerate's), gloo
+  `server_group_port`) and the trainer rank 1, made without touching the default process group (Accelerate's), gloo
   on CPU, NCCL between GPUs. Each sync broadcasts the policy's tensors from rank 1, one decoder layer (bucket)
   per `/update_weights`; after the first sync only the buckets training can change (with LoRA: the adapted
   layers, merged), the rule of the colocated engine (`marlhf.engines.vllm._policy_weights`). The server loads
@@ -22,7 +22,7 @@ Two channels, as in TRL:
 With several training processes each samples its own rows through the same server; the weights are sent by the
 main process alone (the sharded gathers run on all, as they do for the colocated engine), and the processes
 wait for each other after a sync, so that no process asks for a rollout before the new weights are in.
-A server that does not answer `/health` within `connect_timeout` seconds (default 10) stops the run when the
+A server that does not answer `/health` within `server_connect_timeout` seconds (default 10) stops the run when the
 engine is made, before the models load, with one line.
 """
 
@@ -56,30 +56,31 @@ SERVER_RANK, TRAINER_RANK = 0, 1  # ranks in the weight group of two
 
 @dataclasses.dataclass(frozen=True)
 class VLLMServerOptions:
-    """The vllm_server engine's options (`--rollout_engine_options '{url: "http://HOST:8000"}'`)."""
+    """The vllm_server engine's options (`--rollout_engine_options '{server_url: "http://HOST:8000"}'`, or the
+    flat `--server_url http://HOST:8000`)."""
 
-    url: str = option("http://127.0.0.1:8000", "where `marlhf vllm-serve` listens (http://HOST:PORT)")
-    timeout: float = option(600.0, "seconds one request (a rollout, a weight sync) may take", gt=0)
-    connect_timeout: float = option(
+    server_url: str = option("http://127.0.0.1:8000", "where `marlhf vllm-serve` listens (http://HOST:PORT)")
+    server_timeout: float = option(600.0, "seconds one request (a rollout, a weight sync) may take", gt=0)
+    server_connect_timeout: float = option(
         10.0, "seconds to wait for the server's /health when the engine is made (then one line)", gt=0)
-    group_port: int = option(51216, "the port on the server's host of the weight group's TCPStore (`marlhf "
-                                    "vllm-serve --group_port`'s default is the same)", ge=1, le=65535)
-    backend: Literal["gloo", "nccl"] | None = option(
+    server_group_port: int = option(51216, "the port on the server's host of the weight group's TCPStore (`marlhf "
+                                           "vllm-serve --group_port`'s default is the same)", ge=1, le=65535)
+    server_backend: Literal["gloo", "nccl"] | None = option(
         None, "the weight group's torch.distributed backend: gloo (CPU tensors) or nccl (GPU tensors, both ends on "
               "GPUs); none: nccl where the trainer has CUDA, else gloo")
 
     def __post_init__(self) -> None:
         name = "rollout engine 'vllm_server' option"
-        parsed = urllib.parse.urlparse(self.url)
+        parsed = urllib.parse.urlparse(self.server_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"{name} 'url' must be http://HOST:PORT, got {self.url!r}")
-        for field in ("timeout", "connect_timeout"):
+            raise ValueError(f"{name} 'server_url' must be http://HOST:PORT, got {self.server_url!r}")
+        for field in ("server_timeout", "server_connect_timeout"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{name} {field!r} must be > 0 (seconds), got {getattr(self, field)}")
-        if not 0 < self.group_port < 65536:
-            raise ValueError(f"{name} 'group_port' must be a port number, got {self.group_port}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"{name} 'backend' must be 'gloo' or 'nccl', got {self.backend!r}")
+        if not 0 < self.server_group_port < 65536:
+            raise ValueError(f"{name} 'server_group_port' must be a port number, got {self.server_group_port}")
+        if self.server_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"{name} 'server_backend' must be 'gloo' or 'nccl', got {self.server_backend!r}")
 
 
 def weight_group(host: str, port: int, rank: int, backend: str, timeout: float, address: str | None = None):
@@ -112,7 +113,7 @@ def broadcast(group, tensor: torch.Tensor, root: int) -> None:
 
 @register_engine("vllm_server", options=VLLMServerOptions)
 class VLLMServerEngine:
-    """Samples through `marlhf vllm-serve` at the option `url` (see the module docstring)."""
+    """Samples through `marlhf vllm-serve` at the option `server_url` (see the module docstring)."""
 
     def __init__(self, context: EngineContext | None = None) -> None:
         options = context.options if context is not None else None
@@ -120,8 +121,8 @@ class VLLMServerEngine:
         accelerator = context.accelerator if context is not None else None
         self.accelerator = accelerator
         self.is_main = accelerator is None or accelerator.is_main_process
-        self.backend = self.options.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.host = urllib.parse.urlparse(self.options.url).hostname
+        self.backend = self.options.server_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.host = urllib.parse.urlparse(self.options.server_url).hostname
         self.group = self.store = None
         self.synced = False
         self.last_sync: list[str] = []  # the names the last sync sent (what changed)
@@ -130,26 +131,27 @@ class VLLMServerEngine:
     # -- HTTP ---------------------------------------------------------------------------------------------
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.options.url.rstrip("/") + path, data=data,
+        request = urllib.request.Request(self.options.server_url.rstrip("/") + path, data=data,
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.options.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout or self.options.server_timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")
             with contextlib.suppress(Exception):
                 detail = json.loads(detail)["error"]
-            raise MarlhfError(f"vllm-serve at {self.options.url} refused {path}: {detail}") from None
+            raise MarlhfError(f"vllm-serve at {self.options.server_url} refused {path}: {detail}") from None
         except (urllib.error.URLError, OSError) as error:
             if path == "/health":
                 raise  # _wait_for_server tries again
             reason = getattr(error, "reason", error)
-            raise MarlhfError(f"vllm-serve at {self.options.url} did not answer {path} ({reason}; the vllm_server "
-                              f"option timeout is {self.options.timeout:g} s): is it still running?") from None
+            options = self.options
+            raise MarlhfError(f"vllm-serve at {options.server_url} did not answer {path} ({reason}; the vllm_server "
+                              f"option server_timeout is {options.server_timeout:g} s): is it still running?") from None
 
     def _wait_for_server(self) -> dict:
-        """The server's /health, tried until connect_timeout: else one line naming the URL and what to do."""
-        deadline = time.monotonic() + self.options.connect_timeout
+        """The server's /health, tried until server_connect_timeout: else one line naming the URL and what to do."""
+        deadline = time.monotonic() + self.options.server_connect_timeout
         while True:
             left = deadline - time.monotonic()
             try:
@@ -157,20 +159,21 @@ class VLLMServerEngine:
             except (urllib.error.URLError, OSError, ValueError) as error:  # refused, no route, timed out
                 reason = getattr(error, "reason", error)
                 if time.monotonic() + 0.5 > deadline:
+                    options = self.options
                     raise MarlhfError(
-                        f"rollout engine 'vllm_server': no server answers at {self.options.url} ({reason}) after "
-                        f"{self.options.connect_timeout:g} s: start one with `marlhf vllm-serve --model PATH --port "
-                        "PORT` and give its address in the vllm_server option url") from None
+                        f"rollout engine 'vllm_server': no server answers at {options.server_url} ({reason}) after "
+                        f"{options.server_connect_timeout:g} s: start one with `marlhf vllm-serve --model PATH --port "
+                        "PORT` and give its address in the vllm_server option server_url") from None
                 time.sleep(0.5)
 
     # -- weights --------------------------------------------------------------------------------------
     def _connect(self) -> None:
         """Join the weight group as rank 1 (the server makes its end on /init_communicator)."""
-        timeout = self.options.timeout
-        self._request("/init_communicator", {"backend": self.backend, "group_port": self.options.group_port,
+        timeout = self.options.server_timeout
+        self._request("/init_communicator", {"backend": self.backend, "group_port": self.options.server_group_port,
                                              "timeout": timeout})
-        self.group, self.store = weight_group(self.host, self.options.group_port, TRAINER_RANK, self.backend,
-                                              timeout, address=_local_address(self.host, self.options.url))
+        self.group, self.store = weight_group(self.host, self.options.server_group_port, TRAINER_RANK, self.backend,
+                                              timeout, address=_local_address(self.host, self.options.server_url))
 
     def sync_weights(self, policy: nn.Module) -> None:
         """The policy's weights to the server: all of them the first time, then the buckets that can change."""
@@ -221,7 +224,7 @@ class VLLMServerEngine:
         """Leave the weight group (the server goes on serving: stop it with Ctrl-C or SIGTERM)."""
         if self.group is not None:
             with contextlib.suppress(Exception):
-                self._request("/close_communicator", {}, timeout=min(self.options.timeout, 30.0))
+                self._request("/close_communicator", {}, timeout=min(self.options.server_timeout, 30.0))
             self.group = self.store = None
 
 
