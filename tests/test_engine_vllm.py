@@ -335,6 +335,31 @@ def test_ppo_runs_with_the_vllm_engine(tmp_path, tiny_tokenizer, ngram):
 
 
 @needs_vllm
+def test_mc_segment_continuations_through_vllm_fit_the_models_positions(tmp_path, tiny_tokenizer, monkeypatch):
+    """mc_segment with the vllm engine: its Monte-Carlo continuations are sampled by vLLM too. The model has one
+    position to spare beyond the longest prompt + max_response_length (vLLM's max_model_len is its positions), so
+    one call for every prefix (the shortest prefix's budget for all rows) would ask for more than vLLM would
+    sample (it would stop the longer prefixes' rows at max_model_len): every call fits instead."""
+    longest = max(len(tiny_tokenizer(record["prompt"])["input_ids"]) for record in RECORDS)
+    positions = longest + 8 + 1  # max_response_length 8, one spare (a BOS)
+    policy = _model(tiny_tokenizer, head_scale=1.0)
+    policy.config.max_position_embeddings = positions
+    asked, real_generate = [], VLLMEngine.generate
+
+    def recording_generate(self, prompt_ids, prompt_mask, **sampling):
+        asked.append(int(prompt_mask.sum(1).max()) + sampling["max_new_tokens"])
+        return real_generate(self, prompt_ids, prompt_mask, **sampling)
+
+    monkeypatch.setattr(VLLMEngine, "generate", recording_generate)
+    config = _ppo_config(tmp_path, max_steps=2, advantage="mc_segment", ngram=2,
+                         advantage_options={"mc_samples": 2, "max_boundaries": 3})
+    train_ppo(config, RECORDS, policy=policy, tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["rollout/mc_tokens"] > 0 for m in metrics)
+    assert len(asked) > 4 and max(asked) <= positions  # 2 rollouts, and continuations in more than one call
+
+
+@needs_vllm
 def test_ppo_logs_the_vllm_logprob_diff_and_weights_by_tis(tmp_path, tiny_tokenizer):
     config = _ppo_config(tmp_path, ngram=3, log_rollout_logprob_diff=True, tis_cap=2.0)
     train_ppo(config, RECORDS, policy=_model(tiny_tokenizer, head_scale=1.0), tokenizer=tiny_tokenizer,
