@@ -28,6 +28,7 @@ def test_grid_is_the_pre_registered_one():
     assert len(jobs) == runs and jobs[0][3] == 0 and jobs[-1][0] == "task1_long"
 
 
+@pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
 def test_quick_grid_runs_resumes_and_summarizes(tmp_path, capsys):
     work, results = tmp_path / "work", tmp_path / "results"
     arguments = ["--quick", "--work", str(work), "--results", str(results)]

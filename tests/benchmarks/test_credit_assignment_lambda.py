@@ -107,6 +107,7 @@ def test_tuning_and_decision_rules_on_made_up_results(tmp_path):
         "lam0.99"]}
 
 
+@pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
 def test_quick_study_runs_resumes_and_summarizes(tmp_path, capsys):
     work, results = tmp_path / "work", tmp_path / "results"
     arguments = ["--quick", "--work", str(work), "--results", str(results)]

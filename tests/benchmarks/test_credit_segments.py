@@ -122,6 +122,7 @@ def test_summarize_refuses_confirmation_files_of_two_commits(tmp_path):
         study.summarize(study.DESIGN, tmp_path)
 
 
+@pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
 def test_the_tiny_study_end_to_end(tmp_path):
     """--quick: tuning stage by stage, choices.json, TOK, the other arms at TOK's budget, the equal-steps runs,
     the summary; a second call runs nothing."""

@@ -41,6 +41,7 @@ def test_summary_table_from_result_files(tmp_path):
     assert "Commits (clean tree?): abcdef0 (clean)" in lines
 
 
+@pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
 def test_quick_run_writes_provenance_and_resumes(tmp_path, capsys):
     arguments = ["--quick", "--seeds", "0", "--setups", "gold_sft", "--work", str(tmp_path / "work"),
                  "--results", str(tmp_path / "results")]
