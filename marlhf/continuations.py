@@ -65,8 +65,9 @@ class PrefixContinuations:
 
     One call generates max_response_length - (the shortest prefix) tokens for every row, so a row with a longer
     prefix runs past its own budget (those tokens are cut). When that would take a row past `max_length` positions
-    (prompt + prefix + generated: the run's context, which the main rollout fits), the rows are split, by prefix
-    length, into the fewest calls that fit: the engine is never asked for positions the model may not have.
+    (prompt + prefix + generated: the run's context, which the main rollout fits), the rows sorted by prefix length
+    are split into consecutive runs, each as long as fits: the engine is never asked for positions the model may
+    not have.
 
     prompt_ids, prompt_mask: [B, P], the step's prompts; response_ids: [B, T], its responses;
     generate(ids, mask, row_seeds, max_new_tokens) -> Generation: the run's engine with its sampling settings;
