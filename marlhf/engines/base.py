@@ -14,8 +14,7 @@ from torch import nn
 from marlhf.plugins import Plugin, Registry
 
 __all__ = ["RolloutEngine", "Generation", "EngineContext", "REGISTRY", "ENGINES", "register_engine", "get_engine",
-           "model_positions",
-           "make_engine", "check_sampling", "response_mask_from_ids"]
+           "make_engine", "check_sampling", "model_positions", "response_mask_from_ids"]
 
 
 @dataclasses.dataclass
