@@ -48,6 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import credit_assignment as study_one  # noqa: E402  (run machinery, set-ups, result writer, process pool)
@@ -70,7 +71,8 @@ EVAL_EVERY = 10  # steps between held-out evaluations (the matched-KL secondary)
 MARGINS = {"task1_long": 0.03, "task3": 0.03, "task4": 0.015}  # equivalence margins, each task's gold scale
 ALPHA = 0.05
 DESIGN_COMMIT = "c8158f4"
-BUDGET_HOURS = 12.0
+AMENDMENT_COMMIT = "a9fe393"  # amendment 1: the budget below, and cut 1 (no equal-steps secondary)
+BUDGET_HOURS = 28.0  # amendment 1 (the design's 12 h), tuning included, by `wall_time`'s clock
 
 TOKEN = {"termination": "fixed", "ngram": 1}
 FIXED5 = {"termination": "fixed", "ngram": 5}
@@ -373,7 +375,8 @@ def paired_test(diffs: list[float], groups: int) -> dict:
 
 def compare(design: Design, results: dict) -> dict:
     """Per arm other than TOK and group: the primary endpoint's paired differences against TOK (by build and
-    seed), their test, Holm over the groups within the arm and the finding; the secondaries beside them."""
+    seed), their test, Holm over the groups within the arm and the finding; the matched-KL secondary beside them
+    (amendment 1 cut the equal-steps secondary)."""
     groups = [(task, setup) for task in design.tasks for setup in design.setups]
     pairs = [(b, s) for b in design.confirmation_builds for s in design.confirmation_seeds]
     table = {}
@@ -393,12 +396,6 @@ def compare(design: Design, results: dict) -> dict:
                      if common else math.nan,
                      "tok_gold": float(np.mean([at_budget(run("TOK", b, s))["gold_reward"] for b, s in common]))
                      if common else math.nan}
-            # equal steps: the same runs at step 50, or the Monte-Carlo arms' own 50-step runs
-            phase = "equal_steps" if arm in MC_ARMS else "confirmation"
-            steps = [(b, s) for b, s in pairs if run(arm, b, s, phase) and run("TOK", b, s)
-                     and at_step(run(arm, b, s, phase), design.steps)]
-            entry["equal_steps"] = paired_t([at_step(run(arm, b, s, phase), design.steps)["gold_reward"]
-                                             - at_budget(run("TOK", b, s))["gold_reward"] for b, s in steps])
             entry["matched_kl"] = paired_t([
                 at_kl(run(arm, b, s), at_budget(run("TOK", b, s))["kl"])["gold_reward"]
                 - at_budget(run("TOK", b, s))["gold_reward"] for b, s in common])
@@ -431,6 +428,59 @@ def costs(design: Design, results: dict) -> dict:
     return out
 
 
+def learning_rate_multiplier(step: int, planned: int) -> float:
+    """The learning rate's multiplier at 0-based optimizer step `step` of a run planned over `planned` steps, as
+    the trainer's scheduler gives it (the demo's: warm-up then cosine, held at its last value past the plan)."""
+    from marlhf.config import TrainingConfig
+    from marlhf.trainers.common import make_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return float(make_scheduler(optimizer, TrainingConfig(), planned).lr_lambdas[0](step))
+
+
+def _spread(values: list[float]) -> dict:
+    return {"mean": float(np.mean(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+
+
+def schedules(design: Design, results: dict) -> dict:
+    """Per arm over its confirmation runs, what the audit asked beside the findings: the steps it took, its tokens
+    over TOK's budget (stopping at the first step that reaches it overshoots), the share of its tokens in
+    Monte-Carlo continuations, the share of its steps in warm-up, the learning rate's multiplier at its last
+    update, and its steps past the plan (learning rate 0: the policy is frozen)."""
+    multipliers = [learning_rate_multiplier(i, design.steps) for i in range(design.steps)]
+    warmup = multipliers.index(max(multipliers))  # the steps before the peak
+    out = {}
+    for arm in design.arms:
+        rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
+        if not rs:
+            continue
+        steps = [len(r["curves"]["rollout/tokens"]) for r in rs]
+        out[arm] = {
+            "runs": len(rs), "steps": _spread(steps),
+            "over_budget": _spread([generated_tokens(r) / r["budget"] - 1 for r in rs]) if rs[0]["budget"] else None,
+            "mc_share": _spread([sum(x or 0 for x in r["curves"].get("rollout/mc_tokens") or []) / generated_tokens(r)
+                                 for r in rs]),
+            "warmup_share": _spread([min(n, warmup) / n for n in steps]),
+            "last_learning_rate": _spread([learning_rate_multiplier(n - 1, design.steps) for n in steps]),
+            "frozen_steps": _spread([max(0, n - design.steps) for n in steps])}
+    return out
+
+
+def collapsed(results: dict, shrink: float = 0.25) -> list[dict]:
+    """Every run (tuning included) whose responses shrank below `shrink` of their first step's length over its last
+    5 steps: its length, its steps past the plan and its adaptive KL coefficient (which can only climb while the
+    policy cannot move)."""
+    out = []
+    for key, r in sorted(results.items(), key=lambda item: str(item[0])):
+        lengths, coefs = r["curves"]["objective/response_length"], r["curves"]["objective/kl_coef"]
+        if np.mean(lengths[-5:]) < shrink * lengths[0]:
+            out.append({"run": "/".join(map(str, key)), "first_length": lengths[0],
+                        "last_length": float(np.mean(lengths[-5:])), "steps": len(lengths),
+                        "kl_coef_first": coefs[0], "kl_coef_max": max(coefs), "run_seconds": r["run_seconds"],
+                        "gold": at_budget(r)["gold_reward"]})
+    return out
+
+
 def clue_shares(design: Design, results: dict) -> dict:
     """Task 4: each arm's share of right clue words among clue words after markers at the primary endpoint."""
     out = {}
@@ -459,11 +509,15 @@ def wall_time(results: dict, workers: int = 2) -> dict:
 # ---------------------------------------------------------------------------------------------- summary
 def load_results(results: Path) -> dict[tuple, dict]:
     """Every result file (Study II's loader: one build's runs must share their models); confirmation files
-    (confirmation, equal_steps) must all come from one commit of a clean tree."""
+    (confirmation, equal_steps) must all come from one commit of a clean tree, the tuning files' (amendment 1)."""
     out = study_two.load_results(results)
     commits = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] != "tuning" and not r.get("quick")}
     if len(commits) > 1:
         raise SystemExit(f"confirmation result files come from more than one commit: {sorted(commits)}")
+    tuning = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] == "tuning" and not r.get("quick")}
+    if commits and tuning and commits != tuning:
+        raise SystemExit(f"confirmation result files come from {sorted(commits)}, the tuning files from "
+                         f"{sorted(tuning)}: every run of the study must come from one commit of a clean tree")
     return out
 
 
@@ -472,11 +526,12 @@ def summarize(design: Design, results_dir: Path) -> dict:
     choices = choices_so_far(design, results)
     table = compare(design, results) if len(choices["settings"]) == len(TUNED) else {}
     summary = {"choices": choices, "comparison": table, "costs": costs(design, results),
-               "clue_shares": clue_shares(design, results), "wall_time": wall_time(results), "runs": len(results)}
+               "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
+               "collapsed": collapsed(results), "wall_time": wall_time(results), "runs": len(results)}
     f = study_two._f
     lines = ["# Study III: segments against a tuned token-level PPO at an equal token budget", "",
              "Generated by `python benchmarks/credit_segments.py --summarize` from the result files; do not edit. "
-             f"Design: README.md (design commit {DESIGN_COMMIT}).", "",
+             f"Design: README.md (design commit {DESIGN_COMMIT}; amendment 1, commit {AMENDMENT_COMMIT}).", "",
              f"Result files: {len(results)}. Run time at two runs at a time: {summary['wall_time']['hours']:.1f} h "
              f"(budget {BUDGET_HOURS:g} h{'; overrun' if summary['wall_time']['hours'] > BUDGET_HOURS else ''}); "
              f"from the first result file to the last, sittings and the time between them: "
@@ -487,22 +542,41 @@ def summarize(design: Design, results_dir: Path) -> dict:
     if table:
         lines += ["## Primary: held-out gold at TOK's budget of generated tokens", "",
                   "Arm - TOK paired by (build, seed): mean [95 % t], p (Holm over the 6 groups), TOST interval "
-                  f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondaries: equal steps, matched KL.", "",
+                  f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondary: matched KL (amendment 1 cut the "
+                  "equal-steps secondary).", "",
                   "| arm | group | pairs | arm | TOK | arm - TOK | by build | p (Holm) | TOST interval | finding "
-                  "| equal steps | matched KL | budget step |", "|---" * 13 + "|"]
+                  "| matched KL | budget step |", "|---" * 12 + "|"]
         for arm, entries in table.items():
             for group, e in entries.items():
                 t = e["vs_tok"]
                 lines.append(f"| {arm} | {group} | {e['n']} | {f(e['gold'])} | {f(e['tok_gold'])} | {study_two._ci(t)} "
                              f"| {', '.join(f(v) for v in e['by_build'].values())} | {f(t['p'])} ({f(t['p_holm'])}) "
                              f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
-                             f"| {study_two._ci(e['equal_steps'])} | {study_two._ci(e['matched_kl'])} "
+                             f"| {study_two._ci(e['matched_kl'])} "
                              f"| {f(e['budget_step'], 1)} |")
         lines.append("")
     lines += ["## Cost", "", "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
               f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} |" for arm, c in summary["costs"].items()]
+    lines += ["", "## Steps, budget and schedule (confirmation runs: mean, min-max)", "",
+              "A Monte-Carlo arm that stops within a few steps trains mostly in warm-up: its result may be its "
+              f"schedule's as much as its estimator's. Warm-up and cosine are planned over {design.steps} steps; past "
+              "them the learning rate is 0.", "",
+              "| arm | runs | steps | tokens over TOK's budget | share in continuations | steps in warm-up "
+              "| last learning rate (x peak) | frozen steps |", "|---" * 8 + "|"]
+
+    def spread(x, scale=1.0, digits=3):
+        return "-" if x is None else (f"{f(x['mean'] * scale, digits)} ({f(x['min'] * scale, digits)}-"
+                                      f"{f(x['max'] * scale, digits)})")
+    lines += [f"| {arm} | {c['runs']} | {spread(c['steps'], digits=1)} | {spread(c['over_budget'], 100, 1)} % "
+              f"| {spread(c['mc_share'], 100, 1)} % | {spread(c['warmup_share'], 100, 1)} % "
+              f"| {spread(c['last_learning_rate'])} | {spread(c['frozen_steps'], digits=1)} |"
+              for arm, c in summary["schedules"].items()]
+    lines += ["", "## Collapsed runs (responses below a quarter of their first step's length; every phase)", ""]
+    lines += [f"- {c['run']}: length {f(c['first_length'], 1)} -> {f(c['last_length'], 1)} over {c['steps']} steps, "
+              f"KL coefficient {c['kl_coef_first']:.3g} -> {c['kl_coef_max']:.3g}, {f(c['run_seconds'], 0)} s, "
+              f"gold {f(c['gold'])}" for c in summary["collapsed"]] or ["- none"]
     lines += ["", "## Task 4: right clue words among clue words after markers (primary endpoint)", ""]
     lines += [f"- {k}: {f(v)}" for k, v in summary["clue_shares"].items()]
     (results_dir / "summary.md").write_text("\n".join(lines) + "\n")

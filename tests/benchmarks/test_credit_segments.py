@@ -122,6 +122,49 @@ def test_summarize_refuses_confirmation_files_of_two_commits(tmp_path):
         study.summarize(study.DESIGN, tmp_path)
 
 
+def test_summarize_refuses_confirmation_files_of_another_commit_than_the_tuning_files(tmp_path):
+    """Amendment 1: every run of the study, tuning and confirmation, from one commit."""
+    for job, commit in ((("tuning", "task4", "gold_sft", "TOK+lam1", 0, 0), "a" * 40),
+                        (("confirmation", "task4", "gold_sft", "TOK", 1, 10), "b" * 40)):
+        path = study.result_path(tmp_path, job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"phase": job[0], "task": job[1], "setup": job[2], "arm": job[3], "build": job[4],
+                                    "seed": job[5], "commit": commit, "clean": True}))
+    with pytest.raises(SystemExit, match="the tuning files from"):
+        study.load_results(tmp_path)
+
+
+def _curves(lengths, coefs, tokens, mc=None):
+    return {"objective/response_length": lengths, "objective/kl_coef": coefs, "rollout/tokens": tokens,
+            "rollout/mc_tokens": mc or [None] * len(tokens)}
+
+
+def test_the_schedule_audit_reads_steps_overshoot_continuations_and_learning_rate():
+    assert study.learning_rate_multiplier(0, 50) == 0.0 and study.learning_rate_multiplier(5, 50) == 1.0
+    assert study.learning_rate_multiplier(50, 50) == study.learning_rate_multiplier(70, 50) == 0.0  # held at 0
+    mc = {"budget": 100, "curves": _curves([10] * 8, [0.05] * 8, [5] * 8, [10] * 8)}  # 120 tokens, 8 steps
+    late = {"budget": 100, "curves": _curves([10] * 60, [0.05] * 60, [2] * 60)}  # 60 steps: 10 past the plan
+    results = {("confirmation", "task3", "gold_sft", "MC5", 1, 10): mc,
+               ("confirmation", "task3", "gold_sft", "GRPO", 1, 10): late}
+    audit = study.schedules(study.DESIGN, results)
+    assert audit["MC5"]["steps"]["mean"] == 8 and audit["MC5"]["over_budget"]["mean"] == pytest.approx(0.2)
+    assert audit["MC5"]["mc_share"]["mean"] == pytest.approx(80 / 120)
+    assert audit["MC5"]["warmup_share"]["mean"] == pytest.approx(5 / 8)
+    assert audit["MC5"]["last_learning_rate"]["mean"] == pytest.approx(study.learning_rate_multiplier(7, 50))
+    assert audit["GRPO"]["frozen_steps"]["max"] == 10 and audit["GRPO"]["last_learning_rate"]["max"] == 0.0
+
+
+def test_a_collapsed_run_is_listed_with_its_kl_coefficient():
+    healthy = {"curves": _curves([100] * 10, [0.05] * 10, [1] * 10), "run_seconds": 1.0,
+               "evaluations": [{"step": 10, "budget": False, "gold_reward": 0.3}]}
+    shrunk = {"curves": _curves([180, 150] + [10] * 8, [0.24] + [1e3] * 8 + [7.8e7], [1] * 10), "run_seconds": 2.0,
+              "evaluations": [{"step": 10, "budget": True, "gold_reward": 0.017}]}
+    found = study.collapsed({("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 1): shrunk,
+                             ("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 0): healthy})
+    assert [c["run"] for c in found] == ["tuning/task1_long/gold_sft/MA-LP+threshold0.5/0/1"]
+    assert found[0]["kl_coef_max"] == 7.8e7 and found[0]["gold"] == 0.017
+
+
 @pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
 def test_the_tiny_study_end_to_end(tmp_path):
     """--quick: tuning stage by stage, choices.json, TOK, the other arms at TOK's budget, the equal-steps runs,
