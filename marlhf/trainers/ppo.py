@@ -115,7 +115,7 @@ class PPORun:
     eos_token_id: int | list[int]
     kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
     generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
-    rollouts: StaleRollouts | None = None  # rollout worker processes (config.rollout_workers); None: the engine here
+    rollouts: StaleRollouts | None = None  # rollout worker processes (rollout_workers); None: the engine here
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -305,7 +305,7 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
             logprobs = piece.attached_logprobs if piece.attached_logprobs is not None else response_logprobs(
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
             # with a stale rollout the engine's log-probs are the behaviour policy's, piece.logprobs the proximal's
-            behaviour = piece.rollout_logprobs if config.max_staleness else None
+            behaviour = piece.rollout_logprobs if config.async_rollout.max_staleness else None
             loss, loss_stats = policy_loss(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                            piece.segment_ids, config.loss_agg_mode, num_slots,
                                                            policy_loss.options, piece.rollout_logprobs, behaviour))
@@ -359,7 +359,8 @@ def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
-    if (run.config.log_rollout_logprob_diff or run.config.max_staleness) and e.rollout_logprobs is not None:
+    stale = run.config.async_rollout.max_staleness > 0
+    if (run.config.log_rollout_logprob_diff or stale) and e.rollout_logprobs is not None:
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
         metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
@@ -430,9 +431,9 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         plan = BatchPlan(len(prompt_tokens), config, accelerator, accumulation=1)
         piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
         updaters = prepare_training(config, accelerator, models, plan, piece_size)
-        kl_control = None
-        if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
-            kl_control = AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon,
+        kl_control, kl_options = None, config.kl_control
+        if kl_options.kl_target is not None:  # checkpointed beside the learning-rate schedulers
+            kl_control = AdaptiveKLController(config.kl_coef, kl_options.kl_target, kl_options.kl_horizon,
                                               config.rollout_size * accelerator.num_processes)
         generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
         more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
@@ -464,7 +465,7 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
     min_generated_tokens."""
     config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
     # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
-    run.rollouts = _start_rollout_workers(run, start_step) if config.rollout_workers else None
+    run.rollouts = _start_rollout_workers(run, start_step) if config.async_rollout.rollout_workers else None
     # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
     with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), \
             tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
@@ -541,15 +542,15 @@ def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]
 
 
 def _start_rollout_workers(run: PPORun, start_step: int) -> StaleRollouts:
-    """config.rollout_workers engine processes for this training process, max_staleness steps ahead. A run that
+    """rollout_workers engine processes for this training process, max_staleness steps ahead. A run that
     min_generated_tokens may draw out past the plan's last step has no last step for the workers (None)."""
-    config = run.config
+    config, options = run.config, run.config.async_rollout
     last = None if config.min_generated_tokens is not None else run.plan.total_steps
     return StaleRollouts.start(
         engine=config.rollout_engine, engine_options=run.plugins.engine.options, max_length=config.max_length,
-        workers=config.rollout_workers, threads=config.rollout_worker_threads, timeout=config.rollout_worker_timeout,
-        output_dir=config.output_dir, first_index=run.accelerator.process_index * config.rollout_workers,
-        max_staleness=config.max_staleness, start_step=start_step, total_steps=last,
+        workers=options.rollout_workers, threads=options.rollout_worker_threads, timeout=options.rollout_worker_timeout,
+        output_dir=config.output_dir, first_index=run.accelerator.process_index * options.rollout_workers,
+        max_staleness=options.max_staleness, start_step=start_step, total_steps=last,
         request=lambda step: _rollout_request(run, step)[1],
         sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **_sampling(run)))
 
