@@ -2,7 +2,7 @@
 of the rollout (one `generate` call: `--batch` prompts x `--new-tokens` tokens) and of the continuations of its
 responses (one call for all rows and boundaries: `--max-boundaries` kept boundaries of fixed `--ngram` segments
 per response, `--mc-samples` continuations each, each up to the response length), through the hf engine and
-marlhf.continuations.PrefixContinuations, as PPO runs them.
+marlhf.trainers.continuations.PrefixContinuations, as PPO runs them.
 
 The policy and tokenizer of ppo_step.py (a ~5M-parameter Llama, 4,096-word vocabulary, random weights: responses
 rarely stop before `--new-tokens`), prompts of `--prompt-lengths` tokens; a trivial reward (a token count), so the
@@ -26,7 +26,7 @@ import time
 import torch
 from ppo_step import llama, word_tokenizer
 
-from marlhf.continuations import PrefixContinuations
+from marlhf.trainers.continuations import PrefixContinuations
 from marlhf.engines import model_positions
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values

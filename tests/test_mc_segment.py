@@ -13,7 +13,7 @@ import torch
 import marlhf.trainers.ppo as ppo
 from marlhf.advantages import macro_gae, mc_segment_advantages
 from marlhf.cli import build_parser
-from marlhf.continuations import PrefixContinuations, join_continuations, prefixed_prompts
+from marlhf.trainers.continuations import PrefixContinuations, join_continuations, prefixed_prompts
 from marlhf.engines import Generation
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators import AdvantageBatch, get_estimator

@@ -75,11 +75,11 @@ from marlhf.metrics import row_l2, token_repetition
 from marlhf.data.encoding import pad_sequences
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, load_tokenizer, merge_lora
 from marlhf.rewards.functions import takes_record_fields
-from marlhf.continuations import PrefixContinuations
+from marlhf.trainers.continuations import PrefixContinuations
 from marlhf.rollout import (Experience, RewardFn, response_logprobs, response_logprobs_and_entropy,
                             response_scores, response_values, score_responses)
 from marlhf.segments import num_segments, split_last_token
-from marlhf.staleness import RolloutRequest, StaleRollouts
+from marlhf.trainers.staleness import RolloutRequest, StaleRollouts
 from marlhf.termination import SegmentationBatch, segment
 from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
                                     make_accelerator, maybe_save_checkpoint, optimizer_step, own_rows,
@@ -591,7 +591,7 @@ def _clipped(run: PPORun, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _prefix_continuations(run: PPORun, experience: Experience) -> PrefixContinuations:
-    """`continue_and_score` over the step's rows (marlhf.continuations): sampled by the run's engine with the
+    """`continue_and_score` over the step's rows (marlhf.trainers.continuations): sampled by the run's engine with the
     rollout's settings, continuation j of the prefix of length t of row r (among all processes' rows) seeded by
     (seed, step, r, t + 1, j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
     config, accelerator, step = run.config, run.accelerator, experience.step

@@ -249,7 +249,7 @@ class PPOConfig(TrainingConfig):
         "sampling", "log-probs for the ratio, the KL penalty and the perplexity rule from logits / temperature "
                     "(the distribution sampled from) or from raw logits (the released code)")
 
-    # Asynchronous rollouts (marlhf.staleness, marlhf.engines.worker; docs/async.md).
+    # Asynchronous rollouts (marlhf.trainers.staleness, marlhf.engines.worker; docs/async.md).
     async_rollout_options: dict[str, Any] | None = option(
         None, "the asynchronous rollouts' options (marlhf.engines.worker.AsyncRolloutOptions), a YAML mapping such "
               "as '{max_staleness: 1, rollout_workers: 1}' (each is also a flag, below)")
