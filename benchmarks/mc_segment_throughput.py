@@ -32,7 +32,7 @@ from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values
 from marlhf.data.encoding import pad_sequences
 from marlhf.segments import fixed_ngram, keep_boundaries, num_segments
-from marlhf.trainers.ppo import _seed
+from marlhf.trainers.ppo_setup import mixed_seed
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
             lambda ids, mask, seeds, new: decoded(engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=new,
                                                                   **sampling)),
             lambda rows, q, qm, ids, mask: mask.sum(1).float(),
-            lambda row, length, sample: _seed(round_seed, row, length + 1, sample),
+            lambda row, length, sample: mixed_seed(round_seed, row, length + 1, sample),
             arguments.new_tokens, tokenizer.pad_token_id, model_positions(policy))
         segment_ids = keep_boundaries(fixed_ngram(generation.response_mask, arguments.ngram), arguments.max_boundaries)
         mc_boundary_values(continuer, segment_ids, arguments.mc_samples)

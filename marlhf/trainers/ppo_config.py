@@ -309,8 +309,7 @@ class PPOConfig(TrainingConfig):
             raise ValueError("logprob_temperature='raw' needs old_logprobs_from='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
         self._check_rollout_logprobs()
-        if self.plugin("advantage").reads_entropy and self.old_logprobs_from == "sampling" and not \
-                self.reuses_rollout_forward:
+        if self.plugin("advantage").reads_entropy and self.keeps_sampling_logprobs:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
                              "trainer's forward gives and old_logprobs_from='sampling' skips: use "
                              "old_logprobs_from='recompute'")
@@ -342,7 +341,7 @@ class PPOConfig(TrainingConfig):
         if self.compares_rollout_logprobs:
             what = ("max_staleness" if stale else "log_rollout_logprob_diff" if self.log_rollout_logprob_diff
                     else "tis_cap")
-            if self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward:
+            if self.keeps_sampling_logprobs:
                 raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
                                  "old_logprobs_from='sampling' does not compute: use old_logprobs_from='recompute'")
             if self.logprob_temperature == "raw":
@@ -369,6 +368,12 @@ class PPOConfig(TrainingConfig):
         """Whether the engine's sampling log-probs are kept beside the trainer's (the diff metrics, TIS, and with
         max_staleness the behaviour policy's log-probs of the decoupled loss)."""
         return self.log_rollout_logprob_diff or self._tis_cap is not None or self.async_rollout.max_staleness > 0
+
+    @property
+    def keeps_sampling_logprobs(self) -> bool:
+        """Whether the sampling pass's log-probs are the old log-probs (the step runs no scoring forward of the
+        policy)."""
+        return self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward
 
     @property
     def _tis_cap(self) -> float | None:
