@@ -2,7 +2,7 @@
 of the rollout (one `generate` call: `--batch` prompts x `--new-tokens` tokens) and of the continuations of its
 responses (one call for all rows and boundaries: `--max-boundaries` kept boundaries of fixed `--ngram` segments
 per response, `--mc-samples` continuations each, each up to the response length), through the hf engine and
-marlhf.continuations.PrefixContinuations, as PPO runs them.
+marlhf.trainers.continuations.PrefixContinuations, as PPO runs them.
 
 The policy and tokenizer of ppo_step.py (a ~5M-parameter Llama, 4,096-word vocabulary, random weights: responses
 rarely stop before `--new-tokens`), prompts of `--prompt-lengths` tokens; a trivial reward (a token count), so the
@@ -26,13 +26,13 @@ import time
 import torch
 from ppo_step import llama, word_tokenizer
 
-from marlhf.continuations import PrefixContinuations
+from marlhf.trainers.continuations import PrefixContinuations
 from marlhf.engines import model_positions
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators.mc_segment import mc_boundary_values
 from marlhf.data.encoding import pad_sequences
 from marlhf.segments import fixed_ngram, keep_boundaries, num_segments
-from marlhf.trainers.ppo import _seed
+from marlhf.trainers.ppo_setup import mixed_seed
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
             lambda ids, mask, seeds, new: decoded(engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=new,
                                                                   **sampling)),
             lambda rows, q, qm, ids, mask: mask.sum(1).float(),
-            lambda row, length, sample: _seed(round_seed, row, length + 1, sample),
+            lambda row, length, sample: mixed_seed(round_seed, row, length + 1, sample),
             arguments.new_tokens, tokenizer.pad_token_id, model_positions(policy))
         segment_ids = keep_boundaries(fixed_ngram(generation.response_mask, arguments.ngram), arguments.max_boundaries)
         mc_boundary_values(continuer, segment_ids, arguments.mc_samples)

@@ -204,11 +204,13 @@ def run_marlhf(args) -> dict:
     step_seconds = [m["time/step_seconds"] for m in metrics][args.warmup:]
     return {"step_seconds": step_seconds, "rss_before_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "peak_gpu_mib": peak_gpu_mib(),
             "response_length": statistics.mean(m["objective/response_length"] for m in metrics),
-            "environment": {**environment(policy), "kv_cache": config.kv_cache, "max_staleness": config.max_staleness,
-                            "rollout_workers": config.rollout_workers} if args.trainer == "ppo" else {
+            "environment": {**environment(policy), "kv_cache": config.plugin_options("rollout_engine").kv_cache,
+                            "max_staleness": config.async_rollout.max_staleness,
+                            "rollout_workers": config.async_rollout.rollout_workers} if args.trainer == "ppo" else {
                 **environment(policy), "mixed_precision": config.mixed_precision,
                 "gradient_checkpointing": config.gradient_checkpointing, "reference": config.uses_reference,
-                "options": {**options, "rollout_logprobs": config.rollout_logprobs, "kv_cache": config.kv_cache,
+                "options": {**options, "rollout_logprobs": config.old_logprobs_from,
+                            "kv_cache": config.plugin_options("rollout_engine").kv_cache,
                             "gradient_accumulation_steps": config.gradient_accumulation_steps,
                             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}}}
 

@@ -15,9 +15,11 @@ API (for trainer authors):
     config.to_dict(); config.save_yaml(path)
 
 An option renamed keeps its old name as an alias (`RENAMED = {"old": "new"}`: files, flags and keyword arguments;
-`--help` shows it beside the new one). A config may take options that are not its fields (PPOConfig's flat
-plug-in options): it lists them in `input_names`, their defaults in `option_defaults`, and rewrites them into
-fields in `expand_values`.
+`--help` shows it beside the new one). A config may take input names that are not its fields (PPOConfig's flat
+plug-in options): it lists them in `input_names`, their declarations in `declarations`, their defaults in
+`option_defaults`, and rewrites them into fields in `expand_values`. Aliases are resolved when a config is built,
+whichever way (a file, flags, `MyConfig(**values)`: `ConfigBase`'s metaclass), and are never attributes: a config
+is read by its fields.
 
 Supported field types: bool (`--name` or `--name true|false` on the command line), int, float, str, Literal[...],
 tuple[T, ...], dict[str, Any] (a mapping: a YAML mapping in a file, YAML flow text `'{a: 1}'` on the command
@@ -193,8 +195,17 @@ def _scalar_parser(name: str, annotation: Any, optional: bool):
     return parse
 
 
+class _ResolvesAliases(type):
+    """The metaclass of the configs: `MyConfig(**values)` rewrites the input aliases in `values` (old names, and
+    PPOConfig's flat options and plug-in blocks) into fields before the dataclass's __init__ sees them
+    (expand_values, not strict: `dataclasses.replace(config, old_name=...)` passes the field's old value too)."""
+
+    def __call__(cls, **values: Any) -> Any:
+        return super().__call__(**cls.expand_values(values, strict=False))
+
+
 @dataclasses.dataclass(kw_only=True)
-class ConfigBase:
+class ConfigBase(metaclass=_ResolvesAliases):
     """Base of every marlhf config: typed, bounded fields; YAML and CLI round trips."""
 
     HELP_SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {}  # --help title -> field names

@@ -30,7 +30,7 @@ MAX_PROPORTIONAL_ERROR = 0.2
 @dataclasses.dataclass
 class AdaptiveKLOptions:
     """The adaptive KL controller's options, the one home of their declarations: PPOConfig holds their values in
-    its block `kl_control_options` and takes and reads each flat (`--kl_target 6`, `config.kl_target`;
+    its block `kl_control_options`, reads them as `config.kl_control` and takes each flat too (`--kl_target 6`;
     marlhf.trainers.ppo_config.BLOCKS). The coefficient's start value (or fixed value) is PPOConfig.kl_coef."""
 
     kl_target: float | None = option(

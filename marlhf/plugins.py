@@ -20,10 +20,11 @@ object that was never registered is a plug-in without options), with its options
     termination: {name: my_pkg.rules:sentences, sentences: 2}          # in a YAML config
 
 A plug-in's options dataclass is the one home of its options (declare each with marlhf.config.option: default,
-help, bounds). The options of marlhf's own plug-ins are also PPOConfig's flat options, aliases generated from their
-dataclasses (`--ngram 5` is `termination: {name: fixed, ngram: 5}`: marlhf.trainers.ppo_config.FLAT_OPTIONS), so
-every earlier config and command keeps working. An option the chosen plug-in does not declare is an error that
-names the plug-in and the option.
+help, bounds; a rule between them in its `__post_init__`), and where they are read (`config.plugin_options(kind)`).
+The options of marlhf's own plug-ins are also PPOConfig's flat input aliases, generated from their dataclasses
+(`--ngram 5` is `termination: {name: fixed, ngram: 5}`: marlhf.trainers.ppo_config.FLAT_OPTIONS), so every earlier
+config and command keeps working. An option the chosen plug-in does not declare is an error that names the plug-in
+and the option.
 """
 
 from __future__ import annotations

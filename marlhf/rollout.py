@@ -37,7 +37,7 @@ class Experience:
     """The rows of one PPO step on this process; B rows, P prompt and T response columns. `score_responses` fills
     the sampled and scored rollout; the trainer's stages (marlhf.trainers.ppo) fill the rest in turn.
 
-    Stage 1 (`make_experience`), from `score_responses`:
+    Stage 2 (`score`), from `score_responses`:
         prompt_ids: long [B, P], left-padded; prompt_mask: bool [B, P]
         response_ids: long [B, T], right-padded; response_mask: bool [B, T], True up to and including EOS
         logprobs: float [B, T], the sampling policy's log-probs of the drawn tokens (detached)
@@ -48,7 +48,7 @@ class Experience:
         entropy: float [B, T] or None, the sampling policy's entropy at each token, from the forward that gives
             `logprobs`, kept when the estimator reads it (its `reads_entropy` trait)
       and from the trainer:
-        step: int, the PPO step; clock: {stage: device time it ended} (host), for the time/ metrics
+        step: int, the PPO step
         prompt_rows: list[int] (host), each row's index into the run's prompt records
         attached_logprobs, attached_values: float [B, T] or None, the same forwards with their autograd graphs,
             kept when the step makes one update of the whole rollout, which then backpropagates through them
@@ -56,11 +56,11 @@ class Experience:
         rollout_logprobs: float [B, T] or None, the engine's own sampling log-probs, kept beside the trainer's
             `logprobs` when something compares them (`PPOConfig.compares_rollout_logprobs`: the
             rollout/logprob_diff metrics, truncated importance sampling)
-    Stage 2 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
-    Stage 3 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
-    Stage 4 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
+    Stage 3 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
+    Stage 4 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
+    Stage 5 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
         continuation_tokens: int or None, the tokens of the estimator's Monte-Carlo continuations (None: it made none)
-    Stage 5 (`ppo_update`): update_stats {name: [one value per piece]}.
+    Stage 6 (`ppo_update`): update_stats {name: [one value per piece]}.
     """
 
     prompt_ids: torch.Tensor
@@ -75,7 +75,6 @@ class Experience:
     response_lengths: list[int]
     entropy: torch.Tensor | None = None
     step: int = 0
-    clock: dict[str, float] = dataclasses.field(default_factory=dict)
     prompt_rows: list[int] = dataclasses.field(default_factory=list)
     attached_logprobs: torch.Tensor | None = None
     attached_values: torch.Tensor | None = None

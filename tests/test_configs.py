@@ -41,7 +41,8 @@ def test_config_loads_into_its_class(path):
     batch, learning_rate = TABLE[(task, stage)]
     if stage == "ppo":
         assert config.per_device_batch_size * PROCESSES == batch
-        assert (config.clip_range, config.gamma, config.lam, config.ppo_epochs) == (0.2, 1.0, 0.95, 1)
+        loss, estimator = config.plugin_options("policy_loss"), config.plugin_options("advantage")
+        assert (loss.clip_range, estimator.gamma, estimator.lam, config.ppo_epochs) == (0.2, 1.0, 0.95, 1)
         assert config.kl_coef == 0.05
         # the paper's segment value, written out: PPOConfig's default is `first` since the credit-assignment study
         assert yaml.safe_load(path.read_text())["value_weighting"] == config.value_weighting == "equal"

@@ -20,7 +20,8 @@ def _batch(**options) -> AdvantageBatch:
     rewards = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     values = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
     config = PPOConfig(**options)
-    return AdvantageBatch(rewards, values, mask, fixed_ngram(mask, config.ngram), config.plugin_options("advantage"),
+    segment_ids = fixed_ngram(mask, config.plugin_options("termination").ngram)
+    return AdvantageBatch(rewards, values, mask, segment_ids, config.plugin_options("advantage"),
                           config.num_samples_per_prompt, config.value_weighting)
 
 

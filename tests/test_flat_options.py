@@ -1,9 +1,10 @@
 """One home per option (issue 36): a plug-in's options are declared once, by its options dataclass; PPOConfig takes
-the built-in plug-ins' options flat (`--ngram 5`, `lam: 1`, `PPOConfig(lam=1)`, `config.lam`) through aliases
-generated from those dataclasses (marlhf.trainers.ppo_config.FLAT_OPTIONS); `--help` lists each option once, under
-its plug-in; the `rollout_logprobs` mode is `old_logprobs_from`, its old name an alias. The options of a block of
-no plug-in kind (BLOCKS: the asynchronous rollouts', the adaptive KL controller's) are declared by its dataclass and
-taken and read flat the same way, listed once, in the block's section."""
+the built-in plug-ins' options flat (`--ngram 5`, `lam: 1`, `PPOConfig(lam=1)`) through input aliases generated
+from those dataclasses (marlhf.trainers.ppo_config.FLAT_OPTIONS), and they are read from their typed block
+(`config.plugin_options("advantage").lam`); `--help` lists each option once, under its plug-in; the
+`rollout_logprobs` mode is `old_logprobs_from`, its old name an alias. The options of a block of no plug-in kind
+(BLOCKS: the asynchronous rollouts', the adaptive KL controller's) are declared by its dataclass, read as it
+(`config.kl_control`) and taken flat the same way, listed once, in the block's section."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_every_flat_option_maps_to_exactly_one_plugin_option():
         assert name not in PPOConfig.field_names(), name  # and PPOConfig does not
         field = _declaration(flat)
         assert flat.field is field and flat.field.metadata.get("help"), name  # its one declaration, with help
-        assert getattr(PPOConfig(), name) == flat.default, name
+        assert not hasattr(PPOConfig(), name), name  # an input alias, not an attribute
 
 
 @pytest.mark.parametrize("name", PLUGIN_OPTIONS)
@@ -77,7 +78,6 @@ def test_a_flat_option_goes_to_its_plugin(name):
     value = _other_value(flat)
     base = {"rollout_engine": flat.plugin} if flat.kind == "rollout_engine" else {"num_samples_per_prompt": 2}
     config = PPOConfig(**base, **{name: value})
-    assert getattr(config, name) == value
     assert getattr(config, f"{flat.kind}_options") == {name: value}  # its home: the kind's block
     chosen = PPOConfig(**{**base, flat.kind: flat.plugin, name: value})
     assert getattr(chosen.plugin_options(flat.kind), name) == value
@@ -100,7 +100,7 @@ def test_the_blocks_of_no_plugin_kind():
     for kind, values in BLOCK_VALUES.items():
         config = PPOConfig(**values)
         assert getattr(config, f"{kind}_options") == values  # their home: the block
-        assert {name: getattr(config, name) for name in values} == values  # read flat
+        assert dataclasses.asdict(config.block_options(kind)) == values  # read from the typed block
         written = config.to_dict()
         assert f"{kind}_options" not in written and {name: written[name] for name in values} == values  # flat
         assert PPOConfig.from_dict(written) == config == PPOConfig(**{f"{kind}_options": values})
@@ -145,12 +145,12 @@ def test_flat_option_and_block_agree_or_are_refused():
         PPOConfig(lam=2)
     config = PPOConfig(lam=0.9, ngram=3)
     replaced = dataclasses.replace(config, lam=0.5)  # the flat value given last wins
-    assert (replaced.lam, replaced.ngram) == (0.5, 3)
+    assert (replaced.plugin_options("advantage").lam, replaced.plugin_options("termination").ngram) == (0.5, 3)
 
 
 def test_old_logprobs_from_keeps_its_old_name(tmp_path):
     assert PPOConfig(rollout_logprobs="sampling").old_logprobs_from == "sampling"
-    assert PPOConfig(old_logprobs_from="sampling").rollout_logprobs == "sampling"  # read by the old name too
+    assert not hasattr(PPOConfig(), "rollout_logprobs")  # an input alias only
     assert PPOConfig.from_dict({"rollout_logprobs": "sampling"}).old_logprobs_from == "sampling"
     config = dataclasses.replace(PPOConfig(), rollout_logprobs="sampling")
     assert config.old_logprobs_from == "sampling" and "rollout_logprobs" not in config.to_dict()
@@ -164,7 +164,7 @@ def test_old_logprobs_from_keeps_its_old_name(tmp_path):
         config = PPOConfig.from_arguments(parser.parse_args(["ppo", *argv]))
         expected = "recompute" if "recompute" in argv else "sampling"
         assert config.old_logprobs_from == expected, argv
-    assert config.ngram == 4  # a flag overrides the file's flat option
+    assert config.plugin_options("termination").ngram == 4  # a flag overrides the file's flat option
 
 
 def test_resume_reads_an_earlier_config_yaml_as_written_now():

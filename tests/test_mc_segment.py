@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-import marlhf.trainers.ppo as ppo
 from marlhf.advantages import macro_gae, mc_segment_advantages
 from marlhf.cli import build_parser
-from marlhf.continuations import PrefixContinuations, join_continuations, prefixed_prompts
+from marlhf.trainers.continuations import PrefixContinuations, join_continuations, prefixed_prompts
 from marlhf.engines import Generation
 from marlhf.engines.hf import HFEngine
 from marlhf.estimators import AdvantageBatch, get_estimator
@@ -21,6 +20,7 @@ from marlhf.estimators.mc_segment import MCSegmentOptions, mc_boundary_values
 from marlhf.logging_utils import read_metrics
 from marlhf.segments import broadcast_segments, fixed_ngram, keep_boundaries, segment_first_token, words
 from marlhf.trainers.ppo import PPOConfig, train_ppo
+from marlhf.trainers.ppo_setup import mixed_seed
 from tests.reference import random_batch, segments_of_row
 from tests.trainers.test_ppo import RECORDS, _config, count_e
 
@@ -162,7 +162,7 @@ def _continuations(engine: MarkovEngine, run_seed: int, max_length: int = 64) ->
         return engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens)
 
     return PrefixContinuations(prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool), RESPONSES, generate, score,
-                               lambda row, length, sample: ppo._seed(run_seed, row, length + 1, sample), LENGTH, 0,
+                               lambda row, length, sample: mixed_seed(run_seed, row, length + 1, sample), LENGTH, 0,
                                max_length)
 
 
@@ -222,7 +222,7 @@ def test_continuations_are_seeded_per_row_and_reproducible():
     again = get_estimator("mc_segment").obj(_toy_batch(_continuations(engine, 0), max_boundaries=3, k=3))[0]
     assert torch.equal(first, again) and engine.calls[0] == engine.calls[1]
     boundaries = [(0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (2, 0)]
-    assert engine.calls[0] == [ppo._seed(0, b, t + 1, j) for b, t in boundaries for j in range(3)]
+    assert engine.calls[0] == [mixed_seed(0, b, t + 1, j) for b, t in boundaries for j in range(3)]
     other = get_estimator("mc_segment").obj(_toy_batch(_continuations(engine, 1), max_boundaries=3, k=3))[0]
     assert not torch.equal(first, other)
 
@@ -247,7 +247,7 @@ def test_continuations_split_into_calls_that_fit_max_length(max_length):
     distinct = len(set(prefix_lengths.tolist()))
     assert 1 < continuer.calls == len(engine.calls) <= distinct  # a call per prefix length at most
     assert sorted(seed for call in engine.calls for seed in call) == sorted(
-        ppo._seed(0, r, t + 1, j) for r, t in zip(rows.tolist(), prefix_lengths.tolist()) for j in range(2))
+        mixed_seed(0, r, t + 1, j) for r, t in zip(rows.tolist(), prefix_lengths.tolist()) for j in range(2))
     if max_length == 2 + LENGTH:  # no slack: only equal prefixes share a call
         assert continuer.calls == distinct
     with pytest.raises(ValueError, match="a prompt of 2 tokens plus max_response_length 6 exceeds max_length 7"):

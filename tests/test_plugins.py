@@ -46,10 +46,12 @@ def test_blocks_from_yaml_and_the_command_line(tmp_path):
                          "rollout_engine: {name: hf, kv_cache: static}\n")
     config = PPOConfig.from_yaml(yaml_file)
     assert (config.termination, config.termination_options) == ("tests.plugin_examples:every_k", {"k": 4})
-    # a built-in plug-in's option lives in its kind's block, and reads flat; config files write it flat
-    assert (config.advantage, config.lam, config.advantage_options) == ("gae", 0.9, {"lam": 0.9})
+    # a built-in plug-in's option lives in its kind's block, read from there; config files write it flat
+    assert (config.advantage, config.plugin_options("advantage").lam, config.advantage_options) == (
+        "gae", 0.9, {"lam": 0.9})
     assert config.to_dict()["lam"] == 0.9 and config.to_dict()["advantage_options"] is None
-    assert config.kv_cache == "static" and config.plugin_options("termination") == plugin_examples.EveryK(k=4)
+    assert config.plugin_options("rollout_engine").kv_cache == "static"
+    assert config.plugin_options("termination") == plugin_examples.EveryK(k=4)
 
     parser = build_parser("ppo")
     for argv in (["--termination", "tests.plugin_examples:every_k", "--termination_options", "{k: 5}"],
@@ -58,7 +60,8 @@ def test_blocks_from_yaml_and_the_command_line(tmp_path):
         assert config.plugin_options("termination") == plugin_examples.EveryK(k=5), argv
     old_flags = PPOConfig.from_arguments(parser.parse_args(["ppo", "--termination", "randomized", "--repeat_times",
                                                             "2", "--ngram", "3"]))
-    assert old_flags.plugin_options("termination").repeat_times == 2 and old_flags.ngram == 3
+    assert old_flags.plugin_options("termination").repeat_times == 2
+    assert old_flags.termination_options == {"repeat_times": 2, "ngram": 3}  # ngram kept for the fixed rule
 
 
 @pytest.mark.parametrize("options, message", [

@@ -50,9 +50,9 @@ _POLL_SECONDS = 0.2  # how often a waiting trainer checks that its worker is ali
 
 @dataclasses.dataclass
 class AsyncRolloutOptions:
-    """The asynchronous rollouts' options (docs/async.md), the one home of their declarations: PPOConfig holds their
-    values in its block `async_rollout_options` and takes and reads each flat (`--max_staleness 1`,
-    `config.max_staleness`; marlhf.trainers.ppo_config.BLOCKS)."""
+    """The asynchronous rollouts' options (docs/async.md), the one home of their declarations and of the rules
+    between them: PPOConfig holds their values in its block `async_rollout_options`, reads them as
+    `config.async_rollout` and takes each flat too (`--max_staleness 1`; marlhf.trainers.ppo_config.BLOCKS)."""
 
     max_staleness: int = option(
         0, "sample step t's responses with the policy after step max(start, t - k) in rollout worker processes, "
@@ -65,6 +65,11 @@ class AsyncRolloutOptions:
     rollout_worker_timeout: float = option(
         600.0, "seconds a waiting trainer gives a silent rollout worker (no result, no request started) before "
                "it stops the run: a hung worker", gt=0)
+
+    def __post_init__(self) -> None:
+        if self.max_staleness and not self.rollout_workers:
+            raise ValueError(f"max_staleness={self.max_staleness} samples ahead of training in rollout worker "
+                             "processes: set rollout_workers >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 
 from marlhf.config import option
-from marlhf.losses import RatioGranularity, SegmentWeighting, StalenessCorrection, loss_units, policy_loss
+from marlhf.losses import (RatioGranularity, SegmentWeighting, StalenessCorrection, check_loss_options, loss_units,
+                           policy_loss)
 from marlhf.policy_losses.base import PolicyLossBatch, register_policy_loss
 
 
@@ -34,6 +35,10 @@ class ClippedOptions:
         "decoupled", "max_staleness > 0: weight each unit by pi_prox / pi_behav, dropping those above behaviour_cap "
                      "(decoupled PPO, AReaL) or truncating them to it (tis)")
     behaviour_cap: float | None = option(5.0, "max_staleness > 0: the cap of the behaviour ratio (none: none)", gt=0)
+
+    def __post_init__(self) -> None:
+        # the rule between its own options (the one with loss_agg_mode, the run's option, PPOConfig checks)
+        check_loss_options("token-mean", self.ratio_granularity, self.segment_weighting)
 
 
 def clipped_units(mask: torch.Tensor, segment_ids: torch.Tensor | None, options: ClippedOptions,

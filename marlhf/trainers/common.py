@@ -34,12 +34,14 @@ import contextlib
 import functools
 import math
 import os
+import random
 import shutil
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator
@@ -475,3 +477,14 @@ def device_clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+@contextlib.contextmanager
+def random_states_kept(device: torch.device):
+    """Python's, NumPy's and torch's random states (the device's too) as they were before the block."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)

@@ -2,45 +2,40 @@
 
     policy = train_ppo(PPOConfig(model_name_or_path=SFT_DIR, reward_model_name_or_path=RM_DIR), records)
 
-Models: the policy and a frozen reference both start from the SFT model (no reference when nothing reads
-it: `kl_coef=0` and a reference-free termination rule); the critic starts from the
-reward model (a ScalarHeadModel); the reward model is frozen. A reward function
-`reward_fn(prompts, responses) -> scores` (a gold reward, unit tests), or a list of them, or `reward_fns` by
-dotted path in TRL's convention `fn(prompts, completions, **record_fields)` (marlhf.rewards.functions), can
-replace the reward model;
-the critic then starts from the reward model if one is named, else from the SFT model with a fresh
-value head.
+Models: the policy and a frozen reference both start from the SFT model (no reference when nothing reads it:
+`kl_coef=0` and a reference-free termination rule); the critic starts from the reward model (a ScalarHeadModel);
+the reward model is frozen. A reward function `reward_fn(prompts, responses) -> scores` (a gold reward, unit
+tests), or a list of them, or `reward_fns` by dotted path in TRL's convention `fn(prompts, completions,
+**record_fields)` (marlhf.rewards.functions), can replace the reward model; the critic then starts from the reward
+model if one is named, else from the SFT model with a fresh value head.
 
-Each step, top to bottom, is six stages over one `PPORun`, each `stage(run, experience)`; the first five fill the
-step's `Experience` (marlhf.rollout) and return it, the sixth reads it:
-  1. `make_experience`: sample `num_samples_per_prompt` responses per prompt with the rollout engine
-     (marlhf.engines), score them (log-probs of policy and reference, critic values, one score per
-     response; the policy's entropy at each token when the estimator reads it);
-  2. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
-  3. `macro_actions`: segment the responses with the termination rule (marlhf.termination: fixed /
+Read top to bottom: `train_ppo` sets the run up (marlhf.trainers.ppo_setup: the plug-ins, the models, the reward
+source, each trained model's `Updater`, and the `PPORun` every stage reads), `train_steps` is the loop, the one
+place that stamps the step's clock, and the stages follow in the order it calls them. From `score` on, a stage
+takes the step's `Experience` (marlhf.rollout) and returns a copy with what it adds:
+  1. `sample`: `num_samples_per_prompt` responses per prompt from the rollout engine (marlhf.engines);
+  2. `score`: log-probs of policy and reference, critic values, one score per response (and entropy if read);
+  3. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
+  4. `macro_actions`: segment the responses with the termination rule (marlhf.termination: fixed /
      randomized n-grams, perplexity, parsing, word, low_prob, or one of yours);
-  4. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
+  5. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
      `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
-     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"), optionally kept only on
-     low-probability tokens (`advantage_mask_threshold`, SPO's mask);
-  5. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
+     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"; "mc_segment" from Monte-Carlo
+     continuations), optionally kept only on low-probability tokens (`advantage_mask_threshold`, SPO's mask);
+  6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
      the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
      gives a sequence-level ratio, `ngram=1` token-level ratios as in TRL's GRPO), clipped value loss on
-     segment values;
-  6. `step_metrics`, checkpoint.
-
-Termination rules, estimators, policy losses and engines are plug-ins (marlhf.plugins), chosen by name or
-dotted path, each with its own options, resolved once into the run's `Plugins`; `PPOConfig` lives in
-marlhf.trainers.ppo_config and what is set up before the first step (plug-ins, models, reward source, each trained
-model's `Updater`) in marlhf.trainers.ppo_setup.
+     segment values; then `adapt_kl_coef` under `kl_target`;
+  7. `step_metrics`, checkpoint.
+Beside the step, in their own modules: the asynchronous rollouts (marlhf.trainers.staleness), the token budget
+(marlhf.trainers.token_budget) and the Monte-Carlo continuations (marlhf.trainers.continuations).
 
 Defaults follow the paper (docs/algorithm.md) but two: a macro action's value is the value of the state where it
 starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (Study I,
 benchmarks/results/credit_assignment/README.md; `value_weighting="equal"` is the paper's), and `lam=1`, Study
 II's tuned lambda for token-level PPO and MA-PPO alike (benchmarks/results/credit_assignment_lambda/README.md; the
-paper's is 0.95). `ratio_granularity`, `segment_reward`, `last_token_own_segment`
-and `rm_score_clip` reproduce the released code's choices instead; `segment_weighting` offers the study's
-alternatives of the policy loss.
+paper's is 0.95). `ratio_granularity`, `segment_reward`, `last_token_own_segment` and `rm_score_clip` reproduce
+the released code's choices instead; `segment_weighting` offers the study's alternatives of the policy loss.
 
 Data parallel (Accelerate): each process samples responses to its own prompts, every response from its own
 random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
@@ -56,37 +51,32 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
-import numpy as np
 import torch
-from accelerate import Accelerator
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from marlhf._checks import check_like, check_mask, check_segment_ids, trusted_inputs
 from marlhf.advantages import kl_penalized_rewards, low_prob_advantage_mask, whiten
+from marlhf.data.encoding import pad_sequences
 from marlhf.data.records import prompt_records, require_fields
-from marlhf.engines import RolloutEngine, model_positions
+from marlhf.engines import Generation
 from marlhf.estimators import AdvantageBatch
-from marlhf.kl_control import AdaptiveKLController
 from marlhf.logging_utils import MetricsLogger, reduce_metrics
 from marlhf.losses import loss_units, value_loss
-from marlhf.policy_losses import PolicyLossBatch
 from marlhf.metrics import row_l2, token_repetition
-from marlhf.data.encoding import pad_sequences
-from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, load_tokenizer, merge_lora
-from marlhf.rewards.functions import takes_record_fields
-from marlhf.continuations import PrefixContinuations
-from marlhf.rollout import (Experience, RewardFn, response_logprobs, response_logprobs_and_entropy,
-                            response_scores, response_values, score_responses)
+from marlhf.modeling import ScalarHeadModel, load_tokenizer, merge_lora
+from marlhf.policy_losses import PolicyLossBatch
+from marlhf.rollout import (Experience, RewardFn, response_logprobs, response_logprobs_and_entropy, response_values,
+                            score_responses)
 from marlhf.segments import num_segments, split_last_token
-from marlhf.staleness import RolloutRequest, StaleRollouts
 from marlhf.termination import SegmentationBatch, segment
-from marlhf.trainers.common import (BatchPlan, accumulation_context, backward, device_clock, gather_rows,
-                                    make_accelerator, maybe_save_checkpoint, optimizer_step, own_rows,
-                                    records_from_config, save_final_model, start_run)
+from marlhf.trainers.common import (accumulation_context, backward, device_clock, gather_rows, make_accelerator,
+                                    maybe_save_checkpoint, optimizer_step, own_rows, random_states_kept,
+                                    records_from_config, save_final_model)
+from marlhf.trainers.continuations import run_continuations
 from marlhf.trainers.ppo_config import PPOConfig
-from marlhf.trainers.ppo_setup import (Plugins, Updater, build_models, checkpointed, prepare_training,
-                                       tokenize_prompts)
+from marlhf.trainers.ppo_setup import Plugins, PPORun, build_models, mixed_seed, start_ppo_run
+from marlhf.trainers.staleness import RolloutRequest, StaleRollouts
+from marlhf.trainers.token_budget import goes_on
 
 __all__ = ["PPOConfig", "train_ppo", "Experience"]
 
@@ -94,122 +84,177 @@ __all__ = ["PPOConfig", "train_ppo", "Experience"]
 StepCallback = Callable[[int, torch.nn.Module, "int | None"], None]
 
 
-@dataclasses.dataclass
-class PPORun:
-    """What every stage of a PPO step uses: the config, the plug-ins, the rollout engine, the models (the trained
-    ones in their updaters, prepared by Accelerate), the reward source, the tokenized prompts and the batch plan."""
+# ---------------------------------------------------------------------------------------------- the loop
+def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | None = None, policy=None, ref=None,
+              critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
+              reward_fn: RewardFn | list[RewardFn] | None = None, after_step: StepCallback | None = None):
+    """Train the policy with (MA-)PPO on `prompts` (strings, or {"prompt": ...} records whose other fields go to
+    reward functions; default: config.dataset) and
+    return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
+    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
+    `after_step(steps_done, policy, generated_tokens)`, if given, is called on every process after each step with
+    the unwrapped policy and the tokens generated so far (None without a token budget), e.g. to evaluate the policy
+    during training; the random states are restored after it, so it does not change the run.
+    Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
+    accelerator = make_accelerator(config)
+    # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
+    # the models load and before anything is written to output_dir.
+    plugins = Plugins.from_config(config)
+    engine = plugins.make_engine(accelerator, config.max_length)
+    with contextlib.closing(engine):  # when training ends, also on an error: an engine may hold a model and memory
+        records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
+        require_fields(records, ("prompt",), "rl")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
+        models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
+                              reward_model=reward_model, reward_fn=reward_fn)
+        run, start_step, logger, checkpointed = start_ppo_run(config, accelerator, plugins, engine, models, records,
+                                                              tokenizer)
+        train_steps(run, start_step, logger, checkpointed, after_step)
+        logger.close()
+        trained = policy = run.policy  # as prepared: under ZeRO-3 the final weights are gathered through its engine
+        policy = accelerator.unwrap_model(policy)
+        if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
+            trained = policy = merge_lora(policy)
+        # saved before the engine closes: vLLM's shutdown tears down the default process group that saving
+        # across processes waits on
+        save_final_model(trained, tokenizer, config.output_dir, accelerator)
+    return policy
 
-    config: PPOConfig
-    accelerator: Accelerator
-    tokenizer: PreTrainedTokenizerBase
-    plugins: Plugins
-    engine: RolloutEngine
-    updaters: list[Updater]  # the policy's and, with a critic, the critic's
-    ref: torch.nn.Module | AdaptersDisabled | None  # None: nothing reads the reference
-    reward_model: ScalarHeadModel | None
-    reward_fn: RewardFn | None
-    prompt_records: list[dict[str, Any]]
-    prompt_tokens: list[list[int]]
-    plan: BatchPlan
-    piece_size: int  # rows per forward pass in the update
-    eos_token_id: int | list[int]
-    kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
-    generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
-    rollouts: StaleRollouts | None = None  # rollout worker processes (config.rollout_workers); None: the engine here
 
-    @property
-    def policy(self) -> torch.nn.Module:
-        return self._model("policy")
+def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointed: tuple[dict, dict, dict],
+                after_step: StepCallback | None = None) -> None:
+    """The steps of the plan from `start_step` on, each the stages in order; metrics to `logger`, checkpoints of
+    the `checkpointed` (models, optimizers, schedulers) by name. With a token budget the run ends at the first step
+    whose generated tokens reach max_generated_tokens, and goes on past the plan's last step until they reach
+    min_generated_tokens (marlhf.trainers.token_budget)."""
+    config, accelerator, device, plan = run.config, run.accelerator, run.accelerator.device, run.plan
+    # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
+    run.rollouts = StaleRollouts.for_run(
+        config, run.plugins.engine.options, accelerator.process_index, start_step, plan.total_steps,
+        lambda step: _rollout_request(run, step)[1], run.sampling) if config.async_rollout.rollout_workers else None
+    # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
+    with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), \
+            tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
+                 disable=not accelerator.is_local_main_process) as progress:
+        step = start_step
+        while goes_on(config, run.generated_tokens, step, plan.total_steps):
+            clock = {"start": device_clock(device)}  # each stage's end: the time/ metrics
+            rows, request = _rollout_request(run, step)
+            generation = sample(run, step, request)  # 1.
+            clock["generation"] = device_clock(device)
+            experience = score(run, step, rows, request, generation)  # 2.
+            clock["scoring"] = device_clock(device)
+            experience = per_token_rewards(run, experience)  # 3.
+            experience = macro_actions(run, experience)  # 4.
+            experience = estimate_advantages(run, experience)  # 5.
+            clock["advantages"] = device_clock(device)
+            experience = ppo_update(run, experience)  # 6.
+            if run.kl_control is not None:
+                adapt_kl_coef(run, experience)
+            if run.generated_tokens is not None:
+                run.generated_tokens.add(accelerator, experience)
+            clock["update"] = device_clock(device)
 
-    @property
-    def critic(self) -> torch.nn.Module | None:
-        return self._model("critic")
+            done = step = step + 1  # 7. metrics and checkpoint
+            if done % config.logging_steps == 0 or not goes_on(config, run.generated_tokens, done, plan.total_steps):
+                clock["metrics"] = device_clock(device)
+                metrics = step_metrics(run, experience, clock)
+                logger.log(metrics, done)
+                progress.set_postfix(reward=f"{metrics['objective/rm_score']:.3f}",
+                                     **({"kl": f"{metrics['objective/kl']:.3f}"} if "objective/kl" in metrics else {}))
+            progress.update()
+            maybe_save_checkpoint(config, done, accelerator, *checkpointed, run.tokenizer)
+            if after_step is not None:
+                with random_states_kept(device):
+                    after_step(done, accelerator.unwrap_model(run.policy),
+                               None if run.generated_tokens is None else run.generated_tokens.total)
 
-    @property
-    def kl_coef(self) -> float:
-        """The KL coefficient of the current step."""
-        return self.config.kl_coef if self.kl_control is None else self.kl_control.value
 
-    def train(self, mode: bool = True) -> None:
-        for updater in self.updaters:
-            updater.model.train(mode)
-
-    def _model(self, role: str) -> torch.nn.Module | None:
-        return next((updater.model for updater in self.updaters if updater.role == role), None)
+def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]:
+    """Step `step`'s rows (each a prompt index, the samples of one prompt consecutive), their left-padded prompts
+    on the device and their seeds."""
+    config, accelerator = run.config, run.accelerator
+    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
+    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
+    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], run.tokenizer.pad_token_id, "left")
+    # One random stream per response, keyed by its row among all processes' rows: the samples do not
+    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
+    first_row = accelerator.process_index * config.rollout_size
+    row_seeds = [mixed_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    return rows, RolloutRequest(prompt_ids.to(accelerator.device), prompt_mask.bool().to(accelerator.device),
+                                row_seeds)
 
 
 # ---------------------------------------------------------------------------------------------- the stages
-def make_experience(run: PPORun, step: int) -> Experience:
-    """Stage 1: sample the step's responses (the samples of one prompt are consecutive rows) and score them.
-
-    When one update reuses the rollout's forwards (`reuses_rollout_forward`), the policy log-probs and critic
-    values are computed with gradients and kept in the experience. Its clock holds the step's start and the end
-    times of `generation` and `scoring`."""
-    config, accelerator, tokenizer = run.config, run.accelerator, run.tokenizer
-    device = accelerator.device
-    clock = {"start": device_clock(device)}
-    rows, request = _rollout_request(run, step)
-    prompt_ids, prompt_mask, row_seeds = request.prompt_ids, request.prompt_mask, request.row_seeds
+def sample(run: PPORun, step: int, request: RolloutRequest) -> Generation:
+    """Stage 1: the step's responses (the samples of one prompt are consecutive rows), from the engine here with
+    this step's policy, or from the rollout workers (sampled by policy version max(start, step - max_staleness)).
+    The engine's own log-probs come with them when anything keeps them (`score`)."""
+    config, accelerator = run.config, run.accelerator
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
-    attached_logprobs = attached_values = None
-    keeps_sampling_logprobs = config.old_logprobs_from == "sampling" and not config.reuses_rollout_forward
-    with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
-    wants_sampling_logprobs = keeps_sampling_logprobs or config.compares_rollout_logprobs
+    wants_logprobs = config.keeps_sampling_logprobs or config.compares_rollout_logprobs
     with accelerator.autocast():
-        if run.rollouts is None:  # the engine here, now, with this step's policy
-            generation = run.engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds,
+        if run.rollouts is None:
+            generation = run.engine.generate(request.prompt_ids, request.prompt_mask, row_seeds=request.row_seeds,
                                              max_new_tokens=config.max_response_length,
-                                             return_logprobs=wants_sampling_logprobs, **_sampling(run))
-        else:  # from the rollout workers, sampled by policy version max(start, step - max_staleness)
-            generation = run.rollouts.generation(step, accelerator.unwrap_model(run.policy))
-        if wants_sampling_logprobs and generation.logprobs is None:
-            raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
-                             "old_logprobs_from='sampling' and log_rollout_logprob_diff need")
-        clock["generation"] = device_clock(device)
-        batch = (prompt_ids, prompt_mask, generation.response_ids, generation.response_mask)
-        if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
-            run.train()
-            temperature = config.scoring_temperature
-            attached_logprobs, entropy = (
-                response_logprobs_and_entropy(run.policy, *batch, temperature=temperature) if with_entropy
-                else (response_logprobs(run.policy, *batch, temperature=temperature), None))
-            attached_values = response_values(run.critic, *batch) if run.critic is not None else None
-            model_outputs = dict(logprobs=attached_logprobs, values=attached_values, entropy=entropy)
-        elif keeps_sampling_logprobs:
-            model_outputs = dict(logprobs=generation.logprobs, critic=run.critic)
+                                             return_logprobs=wants_logprobs, **run.sampling)
         else:
-            model_outputs = dict(policy=run.policy, critic=run.critic)
+            generation = run.rollouts.generation(step, accelerator.unwrap_model(run.policy))
+    if wants_logprobs and generation.logprobs is None:
+        raise ValueError(f"rollout engine {config.rollout_engine!r} returned no sampling log-probs, which "
+                         "old_logprobs_from='sampling' and log_rollout_logprob_diff need")
+    return generation
+
+
+def score(run: PPORun, step: int, rows: list[int], request: RolloutRequest, generation: Generation) -> Experience:
+    """Stage 2: the step's `Experience`: the responses scored (marlhf.rollout.score_responses). The policy's
+    log-probs come from a forward now, or from the sampling pass (old_logprobs_from='sampling'); when one update
+    reuses the rollout's forwards (`reuses_rollout_forward`), policy log-probs and critic values are computed
+    with gradients and kept (`attached_*`). The engine's log-probs are kept beside the trainer's when something
+    compares them."""
+    config, accelerator = run.config, run.accelerator
+    batch = (request.prompt_ids, request.prompt_mask, generation.response_ids, generation.response_mask)
+    with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
+    with accelerator.autocast():
+        logprobs = values = entropy = None
+        if config.reuses_rollout_forward:  # with gradients: these are the update's forwards too
+            logprobs, values, entropy = _attached_forwards(run, batch, with_entropy)
+        elif config.keeps_sampling_logprobs:
+            logprobs = generation.logprobs
         scored = score_responses(
             *batch, ref=run.ref, temperature=config.scoring_temperature, reward_model=run.reward_model,
-            reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=tokenizer,
-            reward_kwargs=_record_fields(run, rows), with_entropy=with_entropy,
-            piece_size=config.forward_batch_size or run.piece_size, **model_outputs)
-    clock["scoring"] = device_clock(device)
-    experience = dataclasses.replace(scored, step=step, clock=clock, prompt_rows=rows,
-                                     attached_logprobs=attached_logprobs, attached_values=attached_values)
-    if config.compares_rollout_logprobs:  # beside the trainer's, not instead of them
-        experience.rollout_logprobs = generation.logprobs.detach()
-    return experience
+            reward_fn=run.reward_fn, prompts=[run.prompt_records[i]["prompt"] for i in rows], tokenizer=run.tokenizer,
+            reward_kwargs=run.record_fields(rows), with_entropy=with_entropy,
+            piece_size=config.forward_batch_size or run.piece_size,
+            policy=run.policy if logprobs is None else None, logprobs=logprobs, entropy=entropy,
+            critic=None if config.reuses_rollout_forward else run.critic, values=values)
+    attached = config.reuses_rollout_forward
+    kept = config.compares_rollout_logprobs  # the engine's log-probs beside the trainer's, not instead of them
+    return dataclasses.replace(scored, step=step, prompt_rows=rows, attached_logprobs=logprobs if attached else None,
+                               attached_values=values if attached else None,
+                               rollout_logprobs=generation.logprobs.detach() if kept else None)
 
 
 def per_token_rewards(run: PPORun, experience: Experience) -> Experience:
-    """Stage 2: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0), from
+    """Stage 3: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0), from
     the scores clipped to rm_score_clip if set."""
-    scores = _clipped(run, experience.scores)
     logprobs, ref_logprobs = experience.logprobs, experience.ref_logprobs
-    rewards = kl_penalized_rewards(scores, logprobs, ref_logprobs if ref_logprobs is not None else logprobs,
-                                   experience.response_mask, run.kl_coef)
+    rewards = kl_penalized_rewards(run.clipped(experience.scores), logprobs,
+                                   ref_logprobs if ref_logprobs is not None else logprobs, experience.response_mask,
+                                   run.kl_coef)
     return dataclasses.replace(experience, rewards=rewards, kl_coef=run.kl_coef)
 
 
 def macro_actions(run: PPORun, experience: Experience) -> Experience:
-    """Stage 3: segment ids of the responses under the termination rule (marlhf.termination), and the rule's
+    """Stage 4: segment ids of the responses under the termination rule (marlhf.termination), and the rule's
     stats (the parsing rule: how many rows fell back to one token per segment)."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     rule = run.plugins.termination
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, rule.options,
-                              seed=_seed(config.seed, experience.step),
+                              seed=mixed_seed(config.seed, experience.step),
                               gather_rows=lambda x: gather_rows(accelerator, x),
                               own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
     segment_ids, stats = segment(rule.plugin, batch)
@@ -219,14 +264,14 @@ def macro_actions(run: PPORun, experience: Experience) -> Experience:
 
 
 def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
-    """Stage 4: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
+    """Stage 5: the estimator's advantages (and returns, with a critic), whitened if asked, then kept only on
     the tokens sampled with probability below `advantage_mask_threshold` if set (SPO's mask; after whitening, which
     would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes. An
-    estimator that continues prefixes (`continue_and_score`) does so here, with the rollout's weights; its
-    continuation tokens are kept for the metrics."""
+    estimator that continues prefixes (`continue_and_score`) does so here, with the rollout's weights
+    (marlhf.trainers.continuations); its continuation tokens are kept for the metrics."""
     config, accelerator, mask = run.config, run.accelerator, experience.response_mask
     estimator = run.plugins.estimator
-    continuations = _prefix_continuations(run, experience)
+    continuations = run_continuations(run, experience)
     advantages, returns = estimator(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, estimator.options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
@@ -239,8 +284,6 @@ def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
         advantages = low_prob_advantage_mask(advantages, experience.logprobs, mask, config.advantage_mask_threshold)
     return dataclasses.replace(experience, advantages=advantages, returns=returns,
                                continuation_tokens=continuations.tokens if continuations.calls else None)
-
-
 def ppo_update(run: PPORun, experience: Experience) -> Experience:
     """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
     step of policy (and critic) per mini-batch; during the critic warm-up (`critic_warmup_steps`) the critic alone.
@@ -305,7 +348,7 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
             logprobs = piece.attached_logprobs if piece.attached_logprobs is not None else response_logprobs(
                 policy, *piece.model_inputs(), temperature=config.scoring_temperature)
             # with a stale rollout the engine's log-probs are the behaviour policy's, piece.logprobs the proximal's
-            behaviour = piece.rollout_logprobs if config.max_staleness else None
+            behaviour = piece.rollout_logprobs if config.async_rollout.max_staleness else None
             loss, loss_stats = policy_loss(PolicyLossBatch(logprobs, piece.logprobs, piece.advantages, mask,
                                                            piece.segment_ids, config.loss_agg_mode, num_slots,
                                                            policy_loss.options, piece.rollout_logprobs, behaviour))
@@ -335,9 +378,10 @@ def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
     run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item())
 
 
-def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
-    """Stage 6: the step's metrics, reduced over processes (the one place a step reads values to the host)."""
-    e, mask, clock = experience, experience.response_mask, experience.clock
+def step_metrics(run: PPORun, experience: Experience, clock: dict[str, float]) -> dict[str, float]:
+    """Stage 7: the step's metrics, reduced over processes (the one place a step reads values to the host); the
+    time/ ones from the step's `clock` (when each stage ended, stamped by the loop)."""
+    e, mask, accelerator = experience, experience.response_mask, run.accelerator
     # KL (with a reference) and entropy: sample estimates summed over each response's tokens, averaged over
     # responses.
     metrics = {} if e.ref_logprobs is None else {
@@ -353,25 +397,26 @@ def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
         "time/generation": clock["generation"] - clock["start"],
         "time/scoring": clock["scoring"] - clock["generation"],
         "time/advantages": clock["advantages"] - clock["scoring"],  # Monte-Carlo continuations included
-        "time/update": clock["update"] - clock["scoring"],  # stage 4 (time/advantages) and 5
-        "time/step_seconds": device_clock(run.accelerator.device) - clock["start"],
+        "time/update": clock["update"] - clock["scoring"],  # stage 5 (time/advantages) and 6
+        "time/step_seconds": clock["metrics"] - clock["start"],
         "train/skipped_steps": sum(updater.guard.skipped for updater in run.updaters),
     }
     if e.returns is not None:
         metrics["val/return_l2"] = row_l2(e.returns, mask)
-    if (run.config.log_rollout_logprob_diff or run.config.max_staleness) and e.rollout_logprobs is not None:
+    if (run.config.log_rollout_logprob_diff or run.config.async_rollout.max_staleness) and \
+            e.rollout_logprobs is not None:
         diff = torch.where(mask, (e.rollout_logprobs - e.logprobs).abs(), 0.0)
         metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum().clamp(min=1)
-        metrics["rollout/logprob_diff_max"] = run.accelerator.gather(diff.max()[None]).max()  # over processes
+        metrics["rollout/logprob_diff_max"] = accelerator.gather(diff.max()[None]).max()  # over processes
     # generated tokens: totals over all processes (the reduction below is a mean)
-    metrics["rollout/tokens"] = mask.sum() * run.accelerator.num_processes
+    metrics["rollout/tokens"] = mask.sum() * accelerator.num_processes
     if e.continuation_tokens is not None:
-        metrics["rollout/mc_tokens"] = e.continuation_tokens * run.accelerator.num_processes
+        metrics["rollout/mc_tokens"] = e.continuation_tokens * accelerator.num_processes
     if run.rollouts is not None:  # the worker's throughput, the trainer's wait, how stale the batch was
         metrics.update(run.rollouts.metrics)
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
-    metrics = reduce_metrics(metrics, run.accelerator)
+    metrics = reduce_metrics(metrics, accelerator)
     if run.kl_control is not None:
         metrics["objective/kl_coef"] = e.kl_coef
     if run.generated_tokens is not None:
@@ -379,244 +424,17 @@ def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
     return metrics
 
 
-class GeneratedTokens:
-    """The tokens a run has generated so far (every sampled response token and every Monte-Carlo continuation
-    token, over all processes), for the token budget (`max_generated_tokens`, `min_generated_tokens`); kept in
-    checkpoints beside the learning-rate schedulers, so a resumed run stops where the uninterrupted one does."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    def add(self, run: PPORun, experience: Experience) -> int:
-        """Count a step's tokens (one read to the host) and return the total so far."""
-        step = run.accelerator.reduce(experience.response_mask.sum(), reduction="sum").item()
-        self.total += int(step) + (experience.continuation_tokens or 0) * run.accelerator.num_processes
-        return self.total
-
-    def state_dict(self) -> dict[str, int]:
-        return {"total": self.total}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.total = int(state["total"])
-
-
-# ---------------------------------------------------------------------------------------------- the loop
-def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | None = None, policy=None, ref=None,
-              critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
-              reward_fn: RewardFn | list[RewardFn] | None = None, after_step: StepCallback | None = None):
-    """Train the policy with (MA-)PPO on `prompts` (strings, or {"prompt": ...} records whose other fields go to
-    reward functions; default: config.dataset) and
-    return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
-    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
-    `after_step(steps_done, policy, generated_tokens)`, if given, is called on every process after each step with
-    the unwrapped policy and the tokens generated so far (None without a token budget), e.g. to evaluate the policy
-    during training; the random states are restored after it, so it does not change the run.
-    Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
-    accelerator = make_accelerator(config)
-    # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
-    # the models load and before anything is written to output_dir.
-    plugins = Plugins.from_config(config)
-    engine = plugins.make_engine(accelerator, config.max_length)
-    with contextlib.closing(engine):  # when training ends, also on an error: an engine may hold a model and memory
-        records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
-        require_fields(records, ("prompt",), "rl")
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
-        if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer needs a pad token (marlhf.modeling.load_tokenizer sets pad := eos)")
-        models = build_models(config, records, accelerator.device, policy=policy, ref=ref, critic=critic,
-                              reward_model=reward_model, reward_fn=reward_fn)
-        kept_records, prompt_tokens = tokenize_prompts(records, tokenizer, config, accelerator)
-        # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
-        plan = BatchPlan(len(prompt_tokens), config, accelerator, accumulation=1)
-        piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
-        updaters = prepare_training(config, accelerator, models, plan, piece_size)
-        kl_control = None
-        if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
-            kl_control = AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon,
-                                              config.rollout_size * accelerator.num_processes)
-        generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
-        more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
-        trained_models, optimizers, schedulers = checkpointed(  # beside the learning-rate schedulers
-            updaters, **{name: state for name, state in more.items() if state is not None})
-        start_step, logger = start_run(config, accelerator, trained_models, optimizers, schedulers)
-        run = PPORun(config, accelerator, tokenizer, plugins, engine, updaters, models.ref, models.reward_model,
-                     models.reward_fn, kept_records, prompt_tokens, plan, piece_size, kl_control=kl_control,
-                     eos_token_id=_eos_token_id(accelerator, trained_models["policy"], tokenizer),
-                     generated_tokens=generated_tokens)
-
-        train_steps(run, start_step, logger, (trained_models, optimizers, schedulers), after_step)
-        logger.close()
-        trained = policy = run.policy  # as prepared: under ZeRO-3 the final weights are gathered through its engine
-        policy = accelerator.unwrap_model(policy)
-        if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
-            trained = policy = merge_lora(policy)
-        # saved before the engine closes: vLLM's shutdown tears down the default process group that saving
-        # across processes waits on
-        save_final_model(trained, tokenizer, config.output_dir, accelerator)
-    return policy
-
-
-def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointed: tuple[dict, dict, dict],
-                after_step: StepCallback | None = None) -> None:
-    """The steps of the plan from `start_step` on, each the six stages; metrics to `logger`, checkpoints of the
-    `checkpointed` (models, optimizers, schedulers) by name. With a token budget the run ends at the first step
-    whose generated tokens reach max_generated_tokens, and goes on past the plan's last step until they reach
-    min_generated_tokens."""
-    config, accelerator, plan, kl_control = run.config, run.accelerator, run.plan, run.kl_control
-    # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
-    run.rollouts = _start_rollout_workers(run, start_step) if config.rollout_workers else None
-    # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
-    with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), \
-            tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
-                 disable=not accelerator.is_local_main_process) as progress:
-        step = start_step
-        while _goes_on(run, step):
-            experience = make_experience(run, step)  # 1. sample and score
-            experience = per_token_rewards(run, experience)  # 2.
-            experience = macro_actions(run, experience)  # 3.
-            experience = estimate_advantages(run, experience)  # 4.
-            experience.clock["advantages"] = device_clock(accelerator.device)
-            experience = ppo_update(run, experience)  # 5.
-            if kl_control is not None:
-                adapt_kl_coef(run, experience)
-            if run.generated_tokens is not None:
-                run.generated_tokens.add(run, experience)
-            experience.clock["update"] = device_clock(accelerator.device)
-
-            done = step = step + 1  # 6. metrics and checkpoint
-            last = not _goes_on(run, done)
-            if done % config.logging_steps == 0 or last:
-                metrics = step_metrics(run, experience)
-                logger.log(metrics, done)
-                postfix = {"reward": f"{metrics['objective/rm_score']:.3f}"}
-                if "objective/kl" in metrics:
-                    postfix["kl"] = f"{metrics['objective/kl']:.3f}"
-                progress.set_postfix(**postfix)
-            progress.update()
-            maybe_save_checkpoint(config, done, accelerator, *checkpointed, run.tokenizer)
-            if after_step is not None:
-                with _random_states_kept(accelerator.device):
-                    after_step(done, accelerator.unwrap_model(run.policy),
-                               None if run.generated_tokens is None else run.generated_tokens.total)
-
-
-def _goes_on(run: PPORun, steps_done: int) -> bool:
-    """Whether the run takes another step after `steps_done`: until the plan's last step, ended earlier by
-    max_generated_tokens and drawn out by min_generated_tokens (the token budget)."""
-    config, tokens = run.config, run.generated_tokens
-    if tokens is not None and config.max_generated_tokens is not None and tokens.total >= config.max_generated_tokens:
-        return False
-    if tokens is not None and config.min_generated_tokens is not None and tokens.total < config.min_generated_tokens:
-        return True
-    return steps_done < run.plan.total_steps
-
-
-@contextlib.contextmanager
-def _random_states_kept(device: torch.device):
-    """Python's, NumPy's and torch's random states (the device's too) as they were before the block."""
-    import random
-
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)
-
-
 # ---------------------------------------------------------------------------------------------- helpers
-def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]:
-    """Step `step`'s rows (each a prompt index, the samples of one prompt consecutive), their left-padded prompts
-    on the device and their seeds."""
-    config, accelerator = run.config, run.accelerator
-    prompts = run.plan.pieces(step)[0]  # the step's prompts on this process (the plan has one piece a step)
-    rows = [i for i in prompts for _ in range(config.num_samples_per_prompt)]
-    prompt_ids, prompt_mask = pad_sequences([run.prompt_tokens[i] for i in rows], run.tokenizer.pad_token_id, "left")
-    # One random stream per response, keyed by its row among all processes' rows: the samples do not
-    # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
-    first_row = accelerator.process_index * config.rollout_size
-    row_seeds = [_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
-    return rows, RolloutRequest(prompt_ids.to(accelerator.device), prompt_mask.bool().to(accelerator.device),
-                                row_seeds)
-
-
-def _start_rollout_workers(run: PPORun, start_step: int) -> StaleRollouts:
-    """config.rollout_workers engine processes for this training process, max_staleness steps ahead. A run that
-    min_generated_tokens may draw out past the plan's last step has no last step for the workers (None)."""
-    config = run.config
-    last = None if config.min_generated_tokens is not None else run.plan.total_steps
-    return StaleRollouts.start(
-        engine=config.rollout_engine, engine_options=run.plugins.engine.options, max_length=config.max_length,
-        workers=config.rollout_workers, threads=config.rollout_worker_threads, timeout=config.rollout_worker_timeout,
-        output_dir=config.output_dir, first_index=run.accelerator.process_index * config.rollout_workers,
-        max_staleness=config.max_staleness, start_step=start_step, total_steps=last,
-        request=lambda step: _rollout_request(run, step)[1],
-        sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **_sampling(run)))
-
-
-def _record_fields(run: PPORun, rows: list[int]) -> dict[str, list] | None:
-    """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
-    if run.reward_fn is None or not takes_record_fields(run.reward_fn):
-        return None
-    names = sorted({name for i in rows for name in run.prompt_records[i]} - {"prompt"})
-    return {name: [run.prompt_records[i].get(name) for i in rows] for name in names}
-
-
-def _eos_token_id(accelerator: Accelerator, policy: torch.nn.Module,
-                  tokenizer: PreTrainedTokenizerBase) -> int | list[int]:
-    """Where a response ends: the policy's generation config's EOS id(s), else the tokenizer's."""
-    eos_token_id = accelerator.unwrap_model(policy).generation_config.eos_token_id
-    return eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
-
-
-def _sampling(run: PPORun) -> dict[str, Any]:
-    """The engine's sampling settings, the same for the rollout and the Monte-Carlo continuations."""
-    config = run.config
-    return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, eos_token_id=run.eos_token_id,
-                pad_token_id=run.tokenizer.pad_token_id)
-
-
-def _context_length(run: PPORun) -> int:
-    """The longest prompt + response an engine call may reach: max_length, or fewer if the policy has fewer
-    positions."""
-    positions = model_positions(run.accelerator.unwrap_model(run.policy))
-    return run.config.max_length if positions is None else min(run.config.max_length, positions)
-
-
-def _clipped(run: PPORun, scores: torch.Tensor) -> torch.Tensor:
-    """Scores clipped to rm_score_clip if set: what the rewards and the Monte-Carlo values use."""
-    clip = run.config.rm_score_clip
-    return scores if clip is None else scores.clamp(-clip, clip)
-
-
-def _prefix_continuations(run: PPORun, experience: Experience) -> PrefixContinuations:
-    """`continue_and_score` over the step's rows (marlhf.continuations): sampled by the run's engine with the
-    rollout's settings, continuation j of the prefix of length t of row r (among all processes' rows) seeded by
-    (seed, step, r, t + 1, j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
-    config, accelerator, step = run.config, run.accelerator, experience.step
-    first_row = accelerator.process_index * config.rollout_size
-
-    def generate(ids: torch.Tensor, mask: torch.Tensor, seeds: list[int], max_new_tokens: int):
-        run.train(False)  # the rollout's mode: dropout off, KV cache on
-        with accelerator.autocast():
-            return run.engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens, **_sampling(run))
-
-    def score(rows: list[int], *batch: torch.Tensor) -> torch.Tensor:
-        prompt_rows = [experience.prompt_rows[row] for row in rows]
-        logged = getattr(run.reward_fn, "last_means", None)  # the step logs the rollout's reward means
-        with accelerator.autocast():
-            scores = response_scores(*batch, reward_model=run.reward_model, reward_fn=run.reward_fn,
-                                     prompts=[run.prompt_records[i]["prompt"] for i in prompt_rows],
-                                     tokenizer=run.tokenizer, reward_kwargs=_record_fields(run, prompt_rows),
-                                     piece_size=config.forward_batch_size or run.piece_size)
-        if logged is not None:
-            run.reward_fn.last_means = logged
-        return _clipped(run, scores)
-
-    return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
-                               lambda row, length, sample: _seed(config.seed, step, first_row + row, length + 1,
-                                                                 sample),
-                               config.max_response_length, run.tokenizer.pad_token_id, _context_length(run))
+def _attached_forwards(run: PPORun, batch: tuple[torch.Tensor, ...], with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The policy's log-probs, the critic's values (None without one) and the policy's entropy (None unless
+    `with_entropy`) over `batch`, with gradients: one update per step backpropagates through them."""
+    run.train()
+    temperature = run.config.scoring_temperature
+    logprobs, entropy = (response_logprobs_and_entropy(run.policy, *batch, temperature=temperature) if with_entropy
+                         else (response_logprobs(run.policy, *batch, temperature=temperature), None))
+    values = response_values(run.critic, *batch) if run.critic is not None else None
+    return logprobs, values, entropy
 
 
 def _check_update_inputs(experience: Experience) -> None:
@@ -627,8 +445,3 @@ def _check_update_inputs(experience: Experience) -> None:
     for name in ("logprobs", "values", "advantages", "returns"):
         if getattr(experience, name) is not None:
             check_like(getattr(experience, name), mask, name)
-
-
-def _seed(*numbers: int) -> int:
-    """A well-mixed 32-bit seed from several integers (run seed, step, row)."""
-    return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])

@@ -6,24 +6,27 @@ KL, logging) and, per plug-in kind, the option that names the plug-in (`terminat
 `rollout_engine`) and its block `<kind>_options`. A plug-in's options are declared once, by the dataclass it
 registers (marlhf.plugins), with their types, defaults, bounds and help. Their values live in the kind's block.
 
-Flat options. Every option of marlhf's built-in plug-ins is also taken flat, `--ngram 5`, `lam: 1` in a file,
-`PPOConfig(lam=1)` in Python, and read flat, `config.lam`: `FLAT_OPTIONS` is generated from the plug-ins'
-dataclasses when this module is imported (a name declared twice is an error), `expand_values` moves a flat value
-into its kind's block, and a property per name reads it back (the block's value, else the dataclass's default).
-`to_dict` (and so config.yaml) writes them flat, as before. A plug-in of the same kind that declares an option of
-a flat name gets its value (`lam` reaches a user's estimator that declares `lam`).
+Read an option from its typed block: `config.plugin_options("advantage").lam` (the chosen plug-in's options
+dataclass), `config.kl_control.kl_target`, `config.async_rollout.max_staleness`. A check of one plug-in's options
+alone lives in its options dataclass (`__post_init__`); `validate` keeps the rules between a block and the run's
+own options.
+
+Flat names are input aliases. Every option of marlhf's built-in plug-ins is also taken flat, `--ngram 5`, `lam: 1`
+in a file, `PPOConfig(lam=1)` in Python: `FLAT_OPTIONS` is generated from the plug-ins' dataclasses when this module
+is imported (a name declared twice is an error), and `expand_values` moves a flat value into its kind's block when
+a config is built (marlhf.config). A flat name is not an attribute. `to_dict` (and so config.yaml) writes them
+flat, as before. A plug-in of the same kind that declares an option of a flat name gets its value (`lam` reaches a
+user's estimator that declares `lam`).
 
 Option blocks of no plug-in kind (`BLOCKS`): options that belong together but name no plug-in (the asynchronous
 rollouts', the adaptive KL controller's) are declared by one dataclass each, their values held in the block
-`<kind>_options`, and taken and read flat the same way (`--max_staleness 1`, `config.kl_target`). `to_dict` writes
-them flat only: such a block holds nothing but them.
+`<kind>_options`, read through a typed property (`config.kl_control`), and taken flat the same way
+(`--max_staleness 1`). `to_dict` writes them flat only: such a block holds nothing but them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import inspect
 import typing
 from collections.abc import Mapping
@@ -34,10 +37,12 @@ from marlhf.config import TrainingConfig, add_option_argument, check_bounds, coe
 from marlhf.errors import did_you_mean
 from marlhf import engines, estimators, policy_losses, termination
 from marlhf.imports import import_function
+from marlhf.engines.hf import HFOptions
 from marlhf.engines.worker import AsyncRolloutOptions
 from marlhf.kl_control import AdaptiveKLController, AdaptiveKLOptions
 from marlhf.losses import LossAggregation, check_loss_options
 from marlhf.plugins import Plugin, Registry
+from marlhf.policy_losses.ppo import ClippedOptions
 
 __all__ = ["PPOConfig", "PLUGINS", "BLOCKS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
 
@@ -244,7 +249,7 @@ class PPOConfig(TrainingConfig):
         "sampling", "log-probs for the ratio, the KL penalty and the perplexity rule from logits / temperature "
                     "(the distribution sampled from) or from raw logits (the released code)")
 
-    # Asynchronous rollouts (marlhf.staleness, marlhf.engines.worker; docs/async.md).
+    # Asynchronous rollouts (marlhf.trainers.staleness, marlhf.engines.worker; docs/async.md).
     async_rollout_options: dict[str, Any] | None = option(
         None, "the asynchronous rollouts' options (marlhf.engines.worker.AsyncRolloutOptions), a YAML mapping such "
               "as '{max_staleness: 1, rollout_workers: 1}' (each is also a flag, below)")
@@ -284,12 +289,15 @@ class PPOConfig(TrainingConfig):
         if self.rollout_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide the responses per step "
                              f"(per_device_batch_size x num_samples_per_prompt = {self.rollout_size})")
-        if self.kv_cache != "dynamic" and self.mixed_precision != "no":
+        engine = self.plugin_options("rollout_engine")
+        if isinstance(engine, HFOptions) and engine.kv_cache != "dynamic" and self.mixed_precision != "no":
             # transformers allocates a static cache in the model's dtype, and autocast hands it bf16/fp16 keys
-            raise ValueError(f"kv_cache={self.kv_cache!r} needs mixed_precision='no' (got {self.mixed_precision!r}): "
-                             "the static cache is allocated in the weights' dtype; use kv_cache='dynamic'")
-        if self.policy_loss == "ppo":
-            check_loss_options(self.loss_agg_mode, self.ratio_granularity, self.segment_weighting)
+            raise ValueError(f"kv_cache={engine.kv_cache!r} needs mixed_precision='no' (got "
+                             f"{self.mixed_precision!r}): the static cache is allocated in the weights' dtype; use "
+                             "kv_cache='dynamic'")
+        loss = self.plugin_options("policy_loss")
+        if isinstance(loss, ClippedOptions):
+            check_loss_options(self.loss_agg_mode, loss.ratio_granularity, loss.segment_weighting)
         else:
             check_loss_options(self.loss_agg_mode)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
@@ -301,12 +309,11 @@ class PPOConfig(TrainingConfig):
             raise ValueError("logprob_temperature='raw' needs old_logprobs_from='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
         self._check_rollout_logprobs()
-        if self.plugin("advantage").reads_entropy and self.old_logprobs_from == "sampling" and not \
-                self.reuses_rollout_forward:
+        if self.plugin("advantage").reads_entropy and self.keeps_sampling_logprobs:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
                              "trainer's forward gives and old_logprobs_from='sampling' skips: use "
                              "old_logprobs_from='recompute'")
-        if self.tis_cap is not None and "tis_cap" not in self.plugin("policy_loss").option_names:
+        if "tis_cap" in (self.policy_loss_options or {}) and "tis_cap" not in self.plugin("policy_loss").option_names:
             raise ValueError(f"tis_cap is an option of the ppo policy loss; policy_loss={self.policy_loss!r} does "
                              "not take it")
         if self.mini_batch_size % self.gradient_accumulation_steps:
@@ -315,27 +322,26 @@ class PPOConfig(TrainingConfig):
         if self.critic_warmup_steps and not self.uses_critic:
             raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps} needs a critic; advantage="
                              f"{self.advantage!r} has none (use advantage='gae')")
-        if self.kl_target is not None and self.kl_coef == 0:
+        kl_control = self.kl_control
+        if kl_control.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_target adapts kl_coef from its start value, which must be > 0 (got kl_coef=0)")
         if (self.min_generated_tokens is not None and self.max_generated_tokens is not None
                 and self.min_generated_tokens > self.max_generated_tokens):
             raise ValueError(f"min_generated_tokens ({self.min_generated_tokens}) must be <= max_generated_tokens "
                              f"({self.max_generated_tokens})")
-        if self.kl_target is not None:
-            AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
+        if kl_control.kl_target is not None:  # the horizon against the responses per step
+            AdaptiveKLController(self.kl_coef, kl_control.kl_target, kl_control.kl_horizon, self.rollout_size)
 
     def _check_rollout_logprobs(self) -> None:
-        """The asynchronous rollouts' needs, and what comparing the engine's log-probs with the trainer's needs."""
-        if self.max_staleness and not self.rollout_workers:
-            raise ValueError(f"max_staleness={self.max_staleness} samples ahead of training in rollout worker "
-                             "processes: set rollout_workers >= 1")
-        if self.max_staleness and self.tis_cap is not None:
+        """What a stale rollout and comparing the engine's log-probs with the trainer's need."""
+        stale = self.async_rollout.max_staleness > 0
+        if stale and self._tis_cap is not None:
             raise ValueError("max_staleness > 0 corrects the rollout's lag and the engine's numerics together (the ppo "
                              "loss's staleness_correction, 'tis' for truncation): unset tis_cap")
         if self.compares_rollout_logprobs:
-            what = ("max_staleness" if self.max_staleness else "log_rollout_logprob_diff"
-                    if self.log_rollout_logprob_diff else "tis_cap")
-            if self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward:
+            what = ("max_staleness" if stale else "log_rollout_logprob_diff" if self.log_rollout_logprob_diff
+                    else "tis_cap")
+            if self.keeps_sampling_logprobs:
                 raise ValueError(f"{what} compares the engine's sampling log-probs with the trainer's, which "
                                  "old_logprobs_from='sampling' does not compute: use old_logprobs_from='recompute'")
             if self.logprob_temperature == "raw":
@@ -361,7 +367,19 @@ class PPOConfig(TrainingConfig):
     def compares_rollout_logprobs(self) -> bool:
         """Whether the engine's sampling log-probs are kept beside the trainer's (the diff metrics, TIS, and with
         max_staleness the behaviour policy's log-probs of the decoupled loss)."""
-        return self.log_rollout_logprob_diff or self.tis_cap is not None or self.max_staleness > 0
+        return self.log_rollout_logprob_diff or self._tis_cap is not None or self.async_rollout.max_staleness > 0
+
+    @property
+    def keeps_sampling_logprobs(self) -> bool:
+        """Whether the sampling pass's log-probs are the old log-probs (the step runs no scoring forward of the
+        policy)."""
+        return self.old_logprobs_from == "sampling" and not self.reuses_rollout_forward
+
+    @property
+    def _tis_cap(self) -> float | None:
+        """The policy loss's truncated importance sampling cap: the ppo loss's option (a user's loss may declare it
+        too); None for a loss without one."""
+        return getattr(self.plugin_options("policy_loss"), "tis_cap", None)
 
     @property
     def uses_critic(self) -> bool:
@@ -382,7 +400,21 @@ class PPOConfig(TrainingConfig):
         return (self.ppo_epochs == 1 and self.mini_batch_size == self.rollout_size
                 and self.gradient_accumulation_steps == 1)
 
-    # ---- plug-ins (marlhf.plugins) -------------------------------------------------------------------------
+    # ---- the typed blocks: where an option of a plug-in or a block is read -----------------------------------
+    @property
+    def kl_control(self) -> AdaptiveKLOptions:
+        """The adaptive KL controller's options: kl_control_options' values, their declared defaults for the rest."""
+        return self.block_options("kl_control")
+
+    @property
+    def async_rollout(self) -> AsyncRolloutOptions:
+        """The asynchronous rollouts' options: async_rollout_options' values, their declared defaults for the rest."""
+        return self.block_options("async_rollout")
+
+    def block_options(self, kind: str) -> Any:
+        """The options of the block of no plug-in kind `kind` (BLOCKS), as its dataclass."""
+        return BLOCKS[kind](**(getattr(self, f"{kind}_options") or {}))
+
     def plugin(self, option: str) -> Plugin:
         """The plug-in that the option `option` (termination, advantage, policy_loss, rollout_engine) names."""
         return PLUGINS[option].get(getattr(self, option))
@@ -392,11 +424,11 @@ class PPOConfig(TrainingConfig):
         names it declares, and its dataclass's defaults for the rest."""
         plugin = self.plugin(option)
         block = getattr(self, f"{option}_options") or {}
-        flat = {name: self.flat_value(name) for name in plugin.option_names
+        flat = {name: self._flat_value(name) for name in plugin.option_names
                 if name in FLAT_OPTIONS and FLAT_OPTIONS[name].kind == option}
         return plugin.make_options({**{k: v for k, v in block.items() if k not in FLAT_OPTIONS}, **flat})
 
-    def flat_value(self, name: str) -> Any:
+    def _flat_value(self, name: str) -> Any:
         """The value of the flat option `name` (FLAT_OPTIONS): its kind's block's, else its declared default."""
         flat = FLAT_OPTIONS[name]
         return (getattr(self, f"{flat.kind}_options") or {}).get(name, flat.default)
@@ -427,12 +459,15 @@ class PPOConfig(TrainingConfig):
             object.__setattr__(self, f"{kind}_options", block or None)
 
     def _check_plugins(self) -> None:
-        """Each plug-in resolves and takes its options. A flat option of another engine than the chosen one, set
-        away from its default, is an error (the engine samples its own way); the other kinds' flat options may
-        stay set for a plug-in not chosen (configs keep parsing_language for `--termination parsing`)."""
+        """Each plug-in resolves and takes its options, each block makes its dataclass. A flat option of another
+        engine than the chosen one, set away from its default, is an error (the engine samples its own way); the
+        other kinds' flat options may stay set for a plug-in not chosen (configs keep parsing_language for
+        `--termination parsing`)."""
         for kind in PLUGINS:
             self.plugin(kind)  # an unknown name or a path that does not import stops here
-            self.plugin_options(kind)  # unknown keys and wrong types stop here
+            self.plugin_options(kind)  # unknown keys, wrong types and the options' own rules stop here
+        for kind in BLOCKS:
+            self.block_options(kind)  # the block's own rules
         engine = self.plugin("rollout_engine")
         for name, value in (self.rollout_engine_options or {}).items():
             if name in FLAT_OPTIONS and name not in engine.option_names:
@@ -479,7 +514,7 @@ class PPOConfig(TrainingConfig):
                 values[name] = {k: v for k, v in (value or {}).items() if k not in FLAT_OPTIONS} or None
             for flat in FLAT_OPTIONS.values():
                 if flat.kind == kind:
-                    value = self.flat_value(flat.name)
+                    value = self._flat_value(flat.name)
                     values[flat.name] = list(value) if isinstance(value, tuple) else value
         return values
 
@@ -582,27 +617,6 @@ def _put(blocks: dict[str, dict], values: dict[str, Any], key: str, value: Any, 
     block[key] = value
 
 
-def _flat_property(name: str) -> property:
-    flat = FLAT_OPTIONS[name]
-    return property(lambda self: self.flat_value(name),
-                    doc=f"{flat.field.metadata.get('help', '')} (option of {_declarer(flat.kind, flat.plugin)}; its "
-                        f"value lives in {flat.kind}_options)")
-
-
-def _accepting_flat_options(init):
-    """PPOConfig's dataclass __init__, taking the flat options and old names too (expand_values, not strict)."""
-    @functools.wraps(init)
-    def __init__(self, **values: Any) -> None:
-        init(self, **type(self).expand_values(values, strict=False))
-
-    return __init__
-
-
 _clash = sorted(set(FLAT_OPTIONS) & PPOConfig._field_set())
 if _clash:
     raise TypeError(f"PPOConfig declares {_clash[0]!r}, a built-in plug-in's option: one home per option")
-for _name in FLAT_OPTIONS:
-    setattr(PPOConfig, _name, _flat_property(_name))
-PPOConfig.__init__ = _accepting_flat_options(PPOConfig.__init__)
-PPOConfig.rollout_logprobs = property(lambda self: self.old_logprobs_from,
-                                      doc="old name of old_logprobs_from (kept as an alias)")

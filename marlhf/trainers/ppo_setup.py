@@ -1,5 +1,6 @@
 """What `train_ppo` sets up before its first step: the plug-ins (`Plugins`), the reward source, the models, the
-tokenized prompts, and the optimisers and schedulers prepared by Accelerate (`Updater`)."""
+tokenized prompts, the optimisers and schedulers prepared by Accelerate (`Updater`), and the `PPORun` that every
+stage of a step reads."""
 
 from __future__ import annotations
 
@@ -7,20 +8,28 @@ import copy
 import dataclasses
 from typing import Any, Literal
 
+import numpy as np
 import torch
+from accelerate import Accelerator
+from transformers import PreTrainedTokenizerBase
 
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.engines import EngineContext, RolloutEngine
+from marlhf.kl_control import AdaptiveKLController
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm
 from marlhf.plugins import Plugin
 from marlhf.rewards import code_reward_fn
-from marlhf.rewards.functions import RewardFunctions
+from marlhf.rewards.functions import RewardFunctions, takes_record_fields
 from marlhf.rollout import RewardFn
-from marlhf.trainers.common import BatchPlan, FiniteUpdates, configure_deepspeed, make_optimizer, make_scheduler
+from marlhf.logging_utils import MetricsLogger
+from marlhf.trainers.common import (BatchPlan, FiniteUpdates, configure_deepspeed, make_optimizer, make_scheduler,
+                                    start_run)
 from marlhf.trainers.ppo_config import PPOConfig
+from marlhf.trainers.staleness import StaleRollouts
+from marlhf.trainers.token_budget import GeneratedTokens
 
-__all__ = ["Chosen", "Plugins", "Updater", "PPOModels", "reward_source", "build_models", "tokenize_prompts",
-           "prepare_training", "checkpointed"]
+__all__ = ["Chosen", "Plugins", "Updater", "PPOModels", "PPORun", "reward_source", "build_models",
+           "tokenize_prompts", "prepare_training", "checkpointed", "start_ppo_run", "eos_token_id", "mixed_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +96,69 @@ class PPOModels:
     critic: ScalarHeadModel | None
     reward_model: ScalarHeadModel | None
     reward_fn: RewardFn | None
+
+
+@dataclasses.dataclass
+class PPORun:
+    """What every stage of a PPO step uses: the config, the plug-ins, the rollout engine, the models (the trained
+    ones in their updaters, prepared by Accelerate), the reward source, the tokenized prompts and the batch plan."""
+
+    config: PPOConfig
+    accelerator: Accelerator
+    tokenizer: PreTrainedTokenizerBase
+    plugins: Plugins
+    engine: RolloutEngine
+    updaters: list[Updater]  # the policy's and, with a critic, the critic's
+    ref: torch.nn.Module | AdaptersDisabled | None  # None: nothing reads the reference
+    reward_model: ScalarHeadModel | None
+    reward_fn: RewardFn | None
+    prompt_records: list[dict[str, Any]]
+    prompt_tokens: list[list[int]]
+    plan: BatchPlan
+    piece_size: int  # rows per forward pass in the update
+    eos_token_id: int | list[int]
+    kl_control: AdaptiveKLController | None = None  # None: config.kl_coef throughout
+    generated_tokens: GeneratedTokens | None = None  # None: no token budget, nothing counted
+    rollouts: StaleRollouts | None = None  # rollout worker processes (rollout_workers); None: the engine here
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self._model("policy")
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        return self._model("critic")
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient of the current step."""
+        return self.config.kl_coef if self.kl_control is None else self.kl_control.value
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling settings, the same for the rollout and the Monte-Carlo continuations."""
+        config = self.config
+        return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                    eos_token_id=self.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+
+    def train(self, mode: bool = True) -> None:
+        for updater in self.updaters:
+            updater.model.train(mode)
+
+    def record_fields(self, rows: list[int]) -> dict[str, list] | None:
+        """The rows' record fields other than the prompt, a list each, for a reward function in TRL's convention."""
+        if self.reward_fn is None or not takes_record_fields(self.reward_fn):
+            return None
+        names = sorted({name for i in rows for name in self.prompt_records[i]} - {"prompt"})
+        return {name: [self.prompt_records[i].get(name) for i in rows] for name in names}
+
+    def clipped(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores clipped to rm_score_clip if set: what the rewards and the Monte-Carlo values use."""
+        clip = self.config.rm_score_clip
+        return scores if clip is None else scores.clamp(-clip, clip)
+
+    def _model(self, role: str) -> torch.nn.Module | None:
+        return next((updater.model for updater in self.updaters if updater.role == role), None)
 
 
 def reward_source(config: PPOConfig, records: list[dict[str, Any]], reward_fn: RewardFn | list[RewardFn] | None,
@@ -200,6 +272,45 @@ def checkpointed(updaters: list[Updater], **more_schedulers: Any) -> tuple[dict,
     beside the learning-rate schedulers."""
     return ({u.role: u.model for u in updaters}, {u.role: u.optimizer for u in updaters},
             {**{u.role: u.scheduler for u in updaters}, **more_schedulers})
+
+
+def start_ppo_run(config: PPOConfig, accelerator: Accelerator, plugins: Plugins, engine: RolloutEngine,
+                  models: PPOModels, records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
+                  ) -> tuple[PPORun, int, MetricsLogger, tuple[dict, dict, dict]]:
+    """The run every stage reads, the step it starts at (a resumed run's: its checkpoint's), its metrics logger and
+    what its checkpoints hold (models, optimizers, schedulers, by name): the prompts tokenized, the trained models
+    prepared with their optimizers and schedulers, and the adaptive KL controller and the token count, both kept
+    beside the learning-rate schedulers."""
+    kept_records, prompt_tokens = tokenize_prompts(records, tokenizer, config, accelerator)
+    # A step takes per_device_batch_size prompts; gradient accumulation splits the PPO mini-batches instead.
+    plan = BatchPlan(len(prompt_tokens), config, accelerator, accumulation=1)
+    piece_size = config.mini_batch_size // config.gradient_accumulation_steps  # rows per forward in the update
+    updaters = prepare_training(config, accelerator, models, plan, piece_size)
+    kl_control, kl_options = None, config.kl_control
+    if kl_options.kl_target is not None:
+        kl_control = AdaptiveKLController(config.kl_coef, kl_options.kl_target, kl_options.kl_horizon,
+                                          config.rollout_size * accelerator.num_processes)
+    generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
+    more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
+    trained_models, optimizers, schedulers = checkpointed(
+        updaters, **{name: state for name, state in more.items() if state is not None})
+    start_step, logger = start_run(config, accelerator, trained_models, optimizers, schedulers)
+    run = PPORun(config, accelerator, tokenizer, plugins, engine, updaters, models.ref, models.reward_model,
+                 models.reward_fn, kept_records, prompt_tokens, plan, piece_size,
+                 eos_token_id(accelerator, trained_models["policy"], tokenizer), kl_control, generated_tokens)
+    return run, start_step, logger, (trained_models, optimizers, schedulers)
+
+
+def eos_token_id(accelerator: Accelerator, policy: torch.nn.Module,
+                 tokenizer: PreTrainedTokenizerBase) -> int | list[int]:
+    """Where a response ends: the policy's generation config's EOS id(s), else the tokenizer's."""
+    eos = accelerator.unwrap_model(policy).generation_config.eos_token_id
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+def mixed_seed(*numbers: int) -> int:
+    """A well-mixed 32-bit seed from several integers (run seed, step, row)."""
+    return int(np.random.SeedSequence(list(numbers)).generate_state(1)[0])
 
 
 def _disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

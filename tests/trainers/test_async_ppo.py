@@ -17,7 +17,7 @@ from marlhf.engines import Generation
 from marlhf.logging_utils import read_metrics
 from marlhf.losses import behaviour_weights, policy_loss
 from marlhf.segments import fixed_ngram, randomized_ngram
-from marlhf.staleness import RolloutRequest, StaleRollouts, behaviour_version
+from marlhf.trainers.staleness import RolloutRequest, StaleRollouts, behaviour_version
 from marlhf.trainers.ppo import train_ppo
 from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 from tests.reference import random_batch, segments_of_row

@@ -140,7 +140,7 @@ def test_estimators_and_options_run(tmp_path, make_tiny_causal_lm, tiny_tokenize
     assert (checkpoint / "optimizer.critic.json").exists() == uses_critic
     if config.termination == "parsing":
         assert "macro/parse_fallbacks" in metrics[0]
-    if config.ngram is None:  # one segment per response
+    if config.termination_options == {"ngram": None}:  # one segment per response
         assert metrics[0]["macro/mean_segment_length"] == pytest.approx(metrics[0]["objective/response_length"])
 
 
@@ -292,13 +292,14 @@ def test_config_validation():
     with pytest.raises(ValueError, match="lam_critic must be <= 1"):
         PPOConfig(lam_critic=1.5)
     defaults = PPOConfig()
-    assert (defaults.lam_critic, defaults.lam_schedule, defaults.critic_warmup_steps, defaults.kl_target) == (
+    gae, ppo_loss = defaults.plugin_options("advantage"), defaults.plugin_options("policy_loss")
+    assert (gae.lam_critic, gae.lam_schedule, defaults.critic_warmup_steps, defaults.kl_control.kl_target) == (
         None, "constant", 0, None)
-    assert (defaults.clip_range, defaults.gamma, defaults.lam, defaults.kl_coef, defaults.ppo_epochs) == (
+    assert (ppo_loss.clip_range, gae.gamma, gae.lam, defaults.kl_coef, defaults.ppo_epochs) == (
         0.2, 1.0, 1.0, 0.05, 1)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.8, 50, 1.0)
     assert (defaults.max_prompt_length, defaults.max_response_length) == (512, 512)
-    assert (defaults.ratio_granularity, defaults.segment_reward, defaults.last_token_own_segment,
+    assert (ppo_loss.ratio_granularity, gae.segment_reward, defaults.last_token_own_segment,
             defaults.rm_score_clip) == ("macro", "sum", False, None)
 
 

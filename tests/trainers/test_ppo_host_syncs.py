@@ -23,7 +23,7 @@ from marlhf.logging_utils import read_metrics
 from tests.trainers.test_ppo import RECORDS, _config, count_e
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-STAGES = ("make_experience", "macro_actions", "estimate_advantages", "ppo_update", "step_metrics")
+STAGES = ("sample", "score", "macro_actions", "estimate_advantages", "ppo_update", "step_metrics")
 PACKAGE = str(Path(marlhf.__file__).parent)
 
 

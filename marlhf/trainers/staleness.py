@@ -31,6 +31,7 @@ from torch import nn
 
 from marlhf.engines.base import Generation
 from marlhf.engines.worker import RolloutWorker, WorkerSpec
+from marlhf.trainers.ppo_config import PPOConfig
 
 __all__ = ["behaviour_version", "RolloutRequest", "StaleRollouts"]
 
@@ -78,6 +79,21 @@ class StaleRollouts:
                 worker.close()
             raise
         return cls(started, **schedule)
+
+    @classmethod
+    def for_run(cls, config: PPOConfig, engine_options: Any, process_index: int, start_step: int, total_steps: int,
+                request: Callable[[int], RolloutRequest], sampling: dict[str, Any]) -> StaleRollouts:
+        """A PPO run's workers for training process `process_index` (config.async_rollout), sampling the rollout's
+        responses with the engine's `sampling` settings. A run that min_generated_tokens may draw out past the
+        plan's last step (`total_steps`) has no last step for the workers."""
+        options = config.async_rollout
+        return cls.start(
+            engine=config.rollout_engine, engine_options=engine_options, max_length=config.max_length,
+            workers=options.rollout_workers, threads=options.rollout_worker_threads,
+            timeout=options.rollout_worker_timeout, output_dir=config.output_dir,
+            first_index=process_index * options.rollout_workers, max_staleness=options.max_staleness,
+            start_step=start_step, total_steps=None if config.min_generated_tokens is not None else total_steps,
+            request=request, sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **sampling))
 
     def generation(self, step: int, policy: nn.Module) -> Generation:
         """Step `step`'s batch. `policy` is version `step`: the workers get it for the batch of step + k."""

@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from marlhf.engines.base import Generation
+from marlhf.engines.base import Generation, model_positions
+from marlhf.rollout import Experience, response_scores
+from marlhf.trainers.ppo_setup import PPORun, mixed_seed
 
-__all__ = ["PrefixContinuations", "prefixed_prompts", "join_continuations"]
+__all__ = ["PrefixContinuations", "prefixed_prompts", "join_continuations", "run_continuations"]
 
 
 def prefixed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -134,3 +136,36 @@ class PrefixContinuations:
             groups.append([i])
             longest, shortest_prefix = lengths[i], prefix_lengths[i]
         return [sorted(group) for group in groups]
+
+
+def run_continuations(run: PPORun, experience: Experience) -> PrefixContinuations:
+    """A PPO step's `continue_and_score` over its rows: sampled by the run's engine with the rollout's settings,
+    continuation j of the prefix of length t of row r (among all processes' rows) seeded by (seed, step, r, t + 1,
+    j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
+    config, accelerator, step = run.config, run.accelerator, experience.step
+    first_row = accelerator.process_index * config.rollout_size
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor, seeds: list[int], max_new_tokens: int):
+        run.train(False)  # the rollout's mode: dropout off, KV cache on
+        with accelerator.autocast():
+            return run.engine.generate(ids, mask, row_seeds=seeds, max_new_tokens=max_new_tokens, **run.sampling)
+
+    def score(rows: list[int], *batch: torch.Tensor) -> torch.Tensor:
+        prompt_rows = [experience.prompt_rows[row] for row in rows]
+        logged = getattr(run.reward_fn, "last_means", None)  # the step logs the rollout's reward means
+        with accelerator.autocast():
+            scores = response_scores(*batch, reward_model=run.reward_model, reward_fn=run.reward_fn,
+                                     prompts=[run.prompt_records[i]["prompt"] for i in prompt_rows],
+                                     tokenizer=run.tokenizer, reward_kwargs=run.record_fields(prompt_rows),
+                                     piece_size=config.forward_batch_size or run.piece_size)
+        if logged is not None:
+            run.reward_fn.last_means = logged
+        return run.clipped(scores)
+
+    # the longest prompt + response an engine call may reach: max_length, or fewer if the policy has fewer positions
+    positions = model_positions(accelerator.unwrap_model(run.policy))
+    context_length = config.max_length if positions is None else min(config.max_length, positions)
+    return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
+                               lambda row, length, sample: mixed_seed(config.seed, step, first_row + row, length + 1,
+                                                                      sample),
+                               config.max_response_length, run.tokenizer.pad_token_id, context_length)
