@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from marlhf.segments import ValueWeighting
-from marlhf.config import TrainingConfig, add_option_argument, check_bounds, coerce_option, option
+from marlhf.config import add_option_argument, check_bounds, coerce_option, option
 from marlhf.errors import did_you_mean
 from marlhf import engines, estimators, policy_losses, termination
 from marlhf.imports import import_function
@@ -38,6 +38,7 @@ from marlhf.engines.worker import AsyncRolloutOptions
 from marlhf.kl_control import AdaptiveKLController, AdaptiveKLOptions
 from marlhf.losses import LossAggregation, check_loss_options
 from marlhf.plugins import Plugin, Registry
+from marlhf.run_config import TrainingConfig
 
 __all__ = ["PPOConfig", "PLUGINS", "BLOCKS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
 
