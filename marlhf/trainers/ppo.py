@@ -21,7 +21,7 @@ step's `Experience` (marlhf.rollout) and return it, the sixth reads it:
      randomized n-grams, perplexity, parsing, word, low_prob, or one of yours);
   4. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
      `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
-     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"), optionally kept only on
+     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted", "mc_segment"), optionally kept only on
      low-probability tokens (`advantage_mask_threshold`, SPO's mask);
   5. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
      the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
@@ -332,7 +332,8 @@ def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
     """After a step under `kl_target`: move the KL coefficient with the step's KL over all processes' responses
     (one read to the host per step)."""
     row_kl = torch.where(experience.response_mask, experience.logprobs - experience.ref_logprobs, 0.0).sum(1)
-    run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item())
+    policy_lr = next(u for u in run.updaters if u.role == "policy").optimizer.param_groups[0]["lr"]
+    run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item(), policy_lr)
 
 
 def step_metrics(run: PPORun, experience: Experience) -> dict[str, float]:
@@ -433,7 +434,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         kl_control = None
         if config.kl_target is not None:  # checkpointed beside the learning-rate schedulers
             kl_control = AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon,
-                                              config.rollout_size * accelerator.num_processes)
+                                              config.rollout_size * accelerator.num_processes, config.kl_coef_max)
         generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
         more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
         trained_models, optimizers, schedulers = checkpointed(  # beside the learning-rate schedulers

@@ -186,7 +186,8 @@ class PPOConfig(TrainingConfig):
     advantage: str = option(
         "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; "
                "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, from the "
-               "policy's entropy at each token (computed only for it, in the scoring forward); an "
+               "policy's entropy at each token (computed only for it, in the scoring forward); mc_segment: "
+               "Monte-Carlo values at macro-action boundaries (VinePPO / SPO-chain); an "
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
@@ -222,7 +223,8 @@ class PPOConfig(TrainingConfig):
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
     advantage_mask_threshold: float | None = option(
         None, "SPO's probability mask, for any estimator: keep a token's advantage only where the sampling policy "
-              "gave the sampled token probability below this, 0 elsewhere (after whitening; SPO: 0.9; none: off)",
+              "gave the sampled token probability below this, 0 elsewhere (after whiten_advantages, which whitens "
+              "over all response tokens where SPO whitens over the kept ones; SPO: 0.9; none: off)",
         ge=0, le=1)
 
     # Losses.
@@ -323,7 +325,8 @@ class PPOConfig(TrainingConfig):
             raise ValueError(f"min_generated_tokens ({self.min_generated_tokens}) must be <= max_generated_tokens "
                              f"({self.max_generated_tokens})")
         if self.kl_target is not None:
-            AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size)  # checks horizon
+            AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.rollout_size,
+                                 self.kl_coef_max)  # checks horizon and bound
 
     def _check_rollout_logprobs(self) -> None:
         """The asynchronous rollouts' needs, and what comparing the engine's log-probs with the trainer's needs."""
