@@ -250,22 +250,25 @@ def _check_groups(scores: torch.Tensor, group_size: int, minimum: int) -> None:
 
 def rloo(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE leave-one-out: each sample's score minus the mean of the other samples of its
-    prompt. ``scores`` is [N] with the ``group_size`` samples of a prompt consecutive; returns [N]."""
+    prompt. ``scores`` is [N] with the ``group_size`` samples of a prompt consecutive; returns [N] in scores' dtype,
+    computed in float64 (a group of equal scores gets exactly 0)."""
     _check_groups(scores, group_size, minimum=2)
-    grouped = scores.view(-1, group_size)
+    grouped = scores.view(-1, group_size).to(torch.float64)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - baseline).reshape(-1)
+    return (grouped - baseline).reshape(-1).to(scores.dtype)
 
 
 def grpo(scores: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantage: score minus the group mean, divided by the group's (unbiased)
-    std when ``normalize_std``. ``scores`` [N], consecutive groups; returns [N]."""
+    std when ``normalize_std``. ``scores`` [N], consecutive groups; returns [N] in scores' dtype. The group's mean
+    and std are computed in float64: in float32 eight scores of 0.1 have a mean an ulp off and a std of ~1e-8, and
+    would get advantages of -0.0074 instead of 0."""
     _check_groups(scores, group_size, minimum=2 if normalize_std else 1)
-    grouped = scores.view(-1, group_size)
+    grouped = scores.view(-1, group_size).to(torch.float64)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
-    return advantages.reshape(-1)
+    return advantages.reshape(-1).to(scores.dtype)
 
 
 def reinforce(scores: torch.Tensor) -> torch.Tensor:
@@ -307,7 +310,8 @@ def prefix_tree_advantages(
             inf raise a ValueError).
         response_ids: long [N, T], the sampled tokens (padding ignored); mask: bool [N, T].
     Returns:
-        advantages: float [N, T], 0 on padding.
+        advantages: [N, T] in scores' dtype (the group statistics and node values computed in float64, as in
+        :func:`grpo`), 0 on padding.
     """
     check_mask(mask)
     _check_groups(scores, group_size, minimum=2 if normalize_std else 1)
@@ -321,15 +325,15 @@ def prefix_tree_advantages(
     # through[c, i, k, t]: response k shares response i's first t + 1 tokens, i.e. passes through node y_{i,<=t}
     same = (ids == ids.transpose(1, 2)) & live & live.transpose(1, 2)
     through = same.cummin(dim=-1).values
-    grouped = scores.view(groups, group_size)
-    weights = through.to(scores.dtype)
+    grouped = scores.view(groups, group_size).to(torch.float64)  # exact group statistics, as in grpo
+    weights = through.to(torch.float64)
     node_value = (weights * grouped[:, None, :, None]).sum(dim=2) / weights.sum(dim=2).clamp(min=1)  # [G', g, T]
     mean = grouped.mean(dim=1, keepdim=True)
     parent_value = torch.cat([mean[:, :, None].expand(-1, group_size, 1), node_value[..., :-1]], dim=-1)
     advantages = (grouped - mean)[..., None] + node_value - parent_value
     if normalize_std:
         advantages = advantages / (grouped.std(dim=1, keepdim=True)[..., None] + eps)
-    advantages = advantages.reshape(mask.shape)
+    advantages = advantages.reshape(mask.shape).to(scores.dtype)
     return torch.where(mask, advantages, torch.zeros_like(advantages))
 
 
@@ -375,8 +379,9 @@ def low_prob_advantage_mask(
     Applied to per-token advantages, so a macro action's advantage lands on its decision tokens only, and a macro
     action without such a token contributes nothing. SPO's trainer also drops the masked tokens from the loss's
     token mean (``action_mask & (exp(old_logprobs) < 0.9)``, src/treetune/trainers/ppo_trainer.py); a zero
-    advantage gives them no gradient but they still count in marlhf's denominators. NaN or inf advantages or
-    log-probs on response tokens raise a ValueError.
+    advantage gives them no gradient but they still count in marlhf's denominators. PPO applies the mask after
+    `whiten_advantages`, which whitens over all response tokens; SPO whitens over the kept ones (unbiased variance,
+    n - 1). NaN or inf advantages or log-probs on response tokens raise a ValueError.
 
     Args:
         advantages, logprobs: float [B, T]; mask: bool [B, T]; threshold: in [0, 1] (SPO: 0.9).

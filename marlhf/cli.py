@@ -1,9 +1,10 @@
 """Command line: `marlhf COMMAND [--option value ...]` (also `python -m marlhf`).
 
-The trainers `sft`, `reward`, `dpo`, `ppo` and `evaluate` build their config from a YAML file (`--config`) and
-the flags (flags win), then run, reading their records through marlhf.data.load_records(--dataset); a trainer
-module is imported only when its command runs. The tools `plot`, `judge`, `human-eval` (marlhf.evaluation) and
-`demo` (the embedded demo) and `vllm-serve` (the rollout server of rollout_engine='vllm_server') take their own flags. `marlhf COMMAND --help` lists every option with its default.
+The commands are listed in marlhf.commands: the trainers `sft`, `reward`, `dpo`, `ppo` and `evaluate` build their
+config from a YAML file (`--config`) and the flags (flags win), then run, reading their records through
+marlhf.data.load_records(--dataset); a trainer module is imported only when its command runs. The tools `plot`,
+`judge`, `human-eval`, `demo` and `vllm-serve` take their own flags. `marlhf COMMAND --help` lists every option with
+its default. This module parses the command line and is the one error boundary of every command.
 
 The console shows marlhf's own progress bars and messages; the libraries' (transformers' "Loading weights",
 datasets' and the Hub's bars, their info messages and deprecation warnings) are silenced unless `--verbose`.
@@ -24,26 +25,8 @@ import traceback
 import typing
 import warnings
 
-from marlhf.demo.command import DEMO
-from marlhf.serve_command import VLLM_SERVE
+from marlhf.commands import COMMANDS, TOOLS
 from marlhf.errors import USAGE_EXIT, Interrupted, MissingPackage, OutOfMemory, did_you_mean, one_line
-from marlhf.evaluation.commands import TOOLS
-
-# the file-based tools, the embedded demo and the rollout server
-TOOLS = {**TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE}
-
-# command -> (module, config class, train function, one-line description)
-COMMANDS = {
-    "sft": ("marlhf.trainers.sft", "SFTConfig", "train_sft", "supervised fine-tuning on prompt/response records"),
-    "reward": ("marlhf.trainers.reward", "RewardConfig", "train_reward_model",
-               "reward model on preference pairs (Bradley-Terry loss)"),
-    "dpo": ("marlhf.trainers.dpo", "DPOConfig", "train_dpo",
-            "direct preference optimization against a frozen reference"),
-    "ppo": ("marlhf.trainers.ppo", "PPOConfig", "train_ppo",
-            "PPO / MA-PPO with macro actions (and the critic-free baselines)"),
-    "evaluate": ("marlhf.evaluation.evaluate", "EvaluateConfig", "run_evaluation",
-                 "reward-model scores on validation prompts, checkpoint comparison, best-of-N, APPS pass@k"),
-}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -46,9 +46,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from marlhf.config import LLAMA_ATTENTION, TrainingConfig
 from marlhf.errors import MarlhfError
 from marlhf.hub import HUB_TIMEOUT_VARIABLE, hub_lookup, hub_timeout
+from marlhf.run_config import LLAMA_ATTENTION, TrainingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,15 @@
 """The shape of the `marlhf` package, measured from its source with `ast` (nothing is imported):
 
-    python scripts/structure.py            # rooms, arrows, cycles, climbs, the longest functions
+    python scripts/structure.py            # rooms, arrows, cycles, climbs, layers, the longest functions
 
 A *room* is a top-level module or subpackage of marlhf (`marlhf.data`, `marlhf.modeling`, ...); an *arrow* is a
 distinct room -> room import (any import in any module of the room, also one inside a function); a *cycle* is a
-set of rooms (or of modules) that import each other round; a *climb* is an import that goes back up: an arrow
-between two rooms of one cycle, or a module importing the package it sits in. tests/test_structure.py keeps the
-counts of cycles and climbs at 0 and every function's body at most MAX_FUNCTION_LINES lines.
+set of rooms (or of modules) that import each other round. A module's *layer* is read from the layer table of
+docs/contributing.md, the one place that assigns them: each row a layer, bottom first, its modules the backticked
+paths (relative to the package) ending in `.py` or `/`; the longest listed path that holds a module names its
+layer. A *climb* is an import that goes back up: one into a higher layer than the importer's, an arrow between
+two rooms of one cycle, or a module importing the package it sits in. tests/test_structure.py keeps the counts of
+cycles and climbs at 0, every module in a layer and every function's body at most MAX_FUNCTION_LINES lines.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 
 MAX_FUNCTION_LINES = 60
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "marlhf"
+CONTRIBUTING = PACKAGE.parent / "docs" / "contributing.md"
+LAYER_TABLE_HEADER = "| layer | modules | may import |"
 
 
 @dataclasses.dataclass
@@ -29,6 +35,9 @@ class Structure:
     room_cycles: list[list[str]]
     module_cycles: list[list[str]]
     climbs: list[tuple[str, str]]  # (importer, imported) modules
+    layers: dict[str, str]  # module -> its layer
+    unassigned: list[str]  # modules the layer table does not hold
+    unmatched: list[str]  # paths of the layer table that hold no module
 
 
 def module_name(path: pathlib.Path, package: pathlib.Path = PACKAGE) -> str:
@@ -88,7 +97,46 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def measure(package: pathlib.Path = PACKAGE) -> Structure:
+def layer_table(text: str) -> list[tuple[str, list[str]]]:
+    """The layers of a contributing page's layer table (the one under LAYER_TABLE_HEADER), bottom first: (name,
+    the backticked paths of its modules cell that end in `.py` or `/`)."""
+    lines = text.splitlines()
+    if LAYER_TABLE_HEADER not in lines:
+        raise ValueError(f"no layer table: no line {LAYER_TABLE_HEADER!r}")
+    layers = []
+    for line in lines[lines.index(LAYER_TABLE_HEADER) + 2:]:  # after the header and its |---| line
+        if not line.startswith("|"):
+            break
+        name, modules = (cell.strip() for cell in line.strip().strip("|").split("|")[:2])
+        layers.append((name, [path for path in re.findall(r"`([^`]+)`", modules) if path.endswith((".py", "/"))]))
+    return layers
+
+
+def assign_layers(paths: dict[str, str], layers: list[tuple[str, list[str]]]) -> tuple[dict[str, int], list[str]]:
+    """module -> the index of its layer, from `paths` (module -> its path relative to the package) and the table:
+    the longest table path that is the module's path or a folder above it; and the table paths that hold none."""
+    owner: dict[str, int] = {}
+    for index, (name, listed) in enumerate(layers):
+        for path in listed:
+            if path in owner:
+                raise ValueError(f"layer table: {path} is listed in two layers, {layers[owner[path]][0]} and {name}")
+            owner[path] = index
+    assigned = {}
+    for module, path in paths.items():
+        holders = [listed for listed in owner if _holds(listed, path)]
+        if holders:
+            assigned[module] = owner[max(holders, key=len)]
+    unmatched = sorted(listed for listed in owner if not any(_holds(listed, path) for path in paths.values()))
+    return assigned, unmatched
+
+
+def _holds(listed: str, path: str) -> bool:
+    return path == listed or (listed.endswith("/") and path.startswith(listed))
+
+
+def measure(package: pathlib.Path = PACKAGE, layers: list[tuple[str, list[str]]] | None = None) -> Structure:
+    """The package's structure; `layers` (default: docs/contributing.md's table) assigns the modules' layers."""
+    layers = layer_table(CONTRIBUTING.read_text()) if layers is None else layers
     paths = {module_name(path, package): path for path in package.rglob("*.py")}
     known = set(paths)
     modules = {name: imported_modules(path, name, known) for name, path in paths.items()}
@@ -101,11 +149,16 @@ def measure(package: pathlib.Path = PACKAGE) -> Structure:
     arrows = {(source, target) for source, targets in room_graph.items() for target in targets}
     room_cycles = cycles(room_graph)
     in_cycle = {member: n for n, cycle in enumerate(room_cycles) for member in cycle}
+    level, unmatched = assign_layers({name: path.relative_to(package).as_posix() for name, path in paths.items()},
+                                     layers)
     climbs = sorted((name, target) for name, targets in modules.items() for target in targets
                     if (room(name) != room(target) and room(name) in in_cycle
                         and in_cycle[room(name)] == in_cycle.get(room(target)))
-                    or (target != top and name.startswith(target + ".")))  # a module importing its own package
-    return Structure(modules, sorted(room_graph), arrows, room_cycles, cycles(modules), climbs)
+                    or (target != top and name.startswith(target + "."))  # a module importing its own package
+                    or level.get(name, len(layers)) < level.get(target, -1))  # into a higher layer
+    return Structure(modules, sorted(room_graph), arrows, room_cycles, cycles(modules), climbs,
+                     {name: layers[index][0] for name, index in sorted(level.items())},
+                     sorted(set(paths) - set(level)), unmatched)
 
 
 def function_lengths(package: pathlib.Path = PACKAGE) -> Iterator[tuple[int, str]]:
@@ -137,7 +190,14 @@ def main() -> int:
     for cycle in structure.room_cycles + structure.module_cycles:
         print("  cycle:", " <-> ".join(cycle))
     for source, target in structure.climbs:
-        print(f"  climb: {source} -> {target}")
+        print(f"  climb: {source} ({structure.layers.get(source, 'no layer')}) -> {target} "
+              f"({structure.layers.get(target, 'no layer')})")
+    print(f"modules {len(structure.modules)}, without a layer {len(structure.unassigned)}; paths of the layer table "
+          f"that hold no module {len(structure.unmatched)}")
+    for name in structure.unassigned:
+        print(f"  no layer: {name} (add its path to the layer table of docs/contributing.md)")
+    for path in structure.unmatched:
+        print(f"  no module: {path}")
     lengths = sorted(function_lengths(), reverse=True)
     over = [entry for entry in lengths if entry[0] > MAX_FUNCTION_LINES]
     print(f"functions {len(lengths)}, over {MAX_FUNCTION_LINES} lines {len(over)}; the longest:")

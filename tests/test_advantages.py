@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -255,6 +257,38 @@ def test_sequence_level_estimators():
         rloo(scores, 1)
     with pytest.raises(ValueError, match="`scores`"):
         reinforce(torch.tensor([1.0, float("nan")]))
+
+
+def _group_statistics_ref(scores: list[float], group_size: int) -> tuple[list[float], list[float]]:
+    """RLOO and GRPO advantages in Python floats (float64), one group at a time, from the definitions."""
+    rloo_out, grpo_out = [], []
+    for start in range(0, len(scores), group_size):
+        group = scores[start : start + group_size]
+        mean = sum(group) / group_size
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (group_size - 1))
+        rloo_out += [x - (sum(group) - x) / (group_size - 1) for x in group]
+        grpo_out += [(x - mean) / (std + 1e-6) for x in group]
+    return rloo_out, grpo_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_group_statistics_are_computed_in_float64(dtype):
+    """A group of equal scores gets exactly 0 (eight float32 copies of 0.1 got -0.0074 when the group's mean and
+    std were taken in float32), and on random groups every advantage is the float64 value of its scores rounded
+    once to their dtype (relative error at most half a unit in the last place; float64 scores: the float64
+    computation, to rounding)."""
+    equal = torch.full((8,), 0.1, dtype=dtype)
+    for out in (grpo(equal, 8), rloo(equal, 8), grpo(equal, 8, normalize_std=False)):
+        assert out.dtype == dtype and (out == 0).all()
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randn(48, generator=g, dtype=torch.float64) * 3 + 0.7).to(dtype)
+    rtol = 1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps / 2 * (1 + 1e-9)
+    for group_size in (2, 3, 8):
+        expected_rloo, expected_grpo = _group_statistics_ref(scores.double().tolist(), group_size)
+        for out, expected in ((rloo(scores, group_size), expected_rloo), (grpo(scores, group_size), expected_grpo)):
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.double(), torch.tensor(expected, dtype=torch.float64), rtol=rtol,
+                                       atol=1e-12)
 
 
 def test_whiten():

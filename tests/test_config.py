@@ -6,7 +6,8 @@ from typing import Literal
 
 import pytest
 
-from marlhf.config import ConfigBase, RunConfig, TrainingConfig, option
+from marlhf.config import ConfigBase, option
+from marlhf.run_config import RunConfig, TrainingConfig
 
 
 @dataclasses.dataclass(kw_only=True)

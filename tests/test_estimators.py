@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,6 +42,26 @@ def test_builtins_are_the_core_functions():
                                                      if name != "reinforce" else batch)
         assert returns is None
         assert torch.equal(advantages, torch.where(batch.mask, reference[:, None], 0.0)), name
+
+
+def test_every_built_in_estimator_is_named_where_the_estimators_are_listed():
+    """The lists a reader meets (the package's docstring, `--advantage`'s help, the PPO trainer's docstring, the API
+    index and the glossary) name every built-in estimator: one added without them fails here."""
+    import marlhf.estimators
+    import marlhf.trainers.ppo
+    from marlhf.cli import build_parser
+
+    built_in = [name for name, e in ESTIMATORS.items() if e.obj.__module__.startswith("marlhf.estimators.")]
+    assert {"gae", "rloo", "grpo", "reinforce", "prefix_tree", "entropy_weighted", "mc_segment"} <= set(built_in)
+    parser = build_parser("ppo").commands["ppo"]
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    lists = {"marlhf.estimators": marlhf.estimators.__doc__, "marlhf.trainers.ppo": marlhf.trainers.ppo.__doc__,
+             "--advantage": next(a.help for a in parser._actions if "--advantage" in a.option_strings),
+             "docs/api/index.md": (docs / "api" / "index.md").read_text(),
+             "docs/glossary.md": (docs / "glossary.md").read_text()}
+    missing = {where: [name for name in built_in if not re.search(rf"\b{name}\b", text)]
+               for where, text in lists.items()}
+    assert missing == {where: [] for where in lists}
 
 
 @pytest.mark.parametrize("ngram", [1, 3])

@@ -91,7 +91,7 @@ def test_a_flat_option_goes_to_its_plugin(name):
 # A valid setting of each block's options away from their defaults (max_staleness > 0 needs a rollout worker).
 BLOCK_VALUES = {"async_rollout": {"max_staleness": 2, "rollout_workers": 3, "rollout_worker_threads": 2,
                                   "rollout_worker_timeout": 30.0},
-                "kl_control": {"kl_target": 6.0, "kl_horizon": 5000}}
+                "kl_control": {"kl_target": 6.0, "kl_horizon": 5000, "kl_coef_max": 2.0}}
 
 
 def test_the_blocks_of_no_plugin_kind():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from marlhf.config import TrainingConfig
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, add_lora, apply_lora, merge_lora, sequence_logprobs
+from marlhf.run_config import TrainingConfig
 
 
 def _nudge_adapters(model) -> None:

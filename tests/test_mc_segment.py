@@ -6,6 +6,8 @@ prefix mutant is caught); in PPO, one engine call per step for all continuations
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,8 @@ from marlhf.engines.hf import HFEngine
 from marlhf.estimators import AdvantageBatch, get_estimator
 from marlhf.estimators.mc_segment import MCSegmentOptions, mc_boundary_values
 from marlhf.logging_utils import read_metrics
-from marlhf.segments import broadcast_segments, fixed_ngram, keep_boundaries, segment_first_token, words
+from marlhf.segments import (broadcast_segments, fixed_ngram, keep_boundaries, num_segments, segment_first_token,
+                             words)
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from marlhf.trainers.ppo_setup import mixed_seed
 from tests.reference import random_batch, segments_of_row
@@ -96,6 +99,58 @@ def test_mc_segment_advantages_matches_reference(seed, one_segment):
     if not one_segment:
         with pytest.raises(ValueError, match="more segments"):
             mc_segment_advantages(values[:, :1], rewards, mask, segment_ids)
+
+
+def mc_segment_ref(segment_ids, rewards, max_boundaries, value, value_prompt):
+    """Per row, from the definitions: the row's segments (without the first when not value_prompt: SPO-chain),
+    the kept ones of them (`keep_boundaries_ref`'s rule) each absorbing those up to the next kept one; a macro
+    action's tokens get its summed rewards + V(next action's first token) - V(its first token), V = 0 past the
+    last; the tokens of no action get 0."""
+    out = torch.zeros_like(rewards)
+    for b, row in enumerate(segment_ids.tolist()):
+        segments = segments_of_row(row)[0 if value_prompt else 1:]
+        m = len(segments)
+        kept = [i * m // max_boundaries for i in range(max_boundaries)] if m > max_boundaries else list(range(m))
+        actions = [sum(segments[k : (kept[j + 1] if j + 1 < len(kept) else m)], []) for j, k in enumerate(kept)]
+        for j, positions in enumerate(actions):
+            next_value = value(b, actions[j + 1][0]) if j + 1 < len(actions) else 0.0
+            advantage = sum(rewards[b, t].item() for t in positions) + next_value - value(b, positions[0])
+            for t in positions:
+                out[b, t] = advantage
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_boundaries", [1, 2, 5])
+@pytest.mark.parametrize("value_prompt", [True, False])
+def test_the_estimator_matches_reference(seed, max_boundaries, value_prompt):
+    """The whole estimator against `mc_segment_ref` on random ragged batches, with a stand-in for the engine whose
+    k-th continuation of row r's prefix of t tokens scores 10 r + t + k / 10 (V = 10 r + t + (K - 1) / 20): one
+    call, at the kept boundaries only (never at token 0 without value_prompt); no call when nothing is valued."""
+    mask, segment_ids = _random_segments(10, 9, seed)
+    g = torch.Generator().manual_seed(200 + seed)
+    rewards = torch.where(mask, torch.randn(mask.shape, generator=g, dtype=torch.float64), 0.0)
+    calls = []
+
+    def continue_and_score(rows, starts, k):
+        calls.append(sorted(zip(rows.tolist(), starts.tolist())))
+        return (10.0 * rows + starts).double()[:, None] + torch.arange(k, dtype=torch.float64) / 10
+
+    options = MCSegmentOptions(mc_samples=3, max_boundaries=max_boundaries, value_prompt=value_prompt)
+    batch = AdvantageBatch(rewards, None, mask, segment_ids, options, 1, "first", continue_and_score=continue_and_score)
+    advantages, returns = get_estimator("mc_segment").obj(batch)
+    expected = mc_segment_ref(segment_ids, rewards, max_boundaries, lambda b, t: 10.0 * b + t + 0.1, value_prompt)
+    torch.testing.assert_close(advantages, expected, rtol=1e-12, atol=1e-12)
+    assert returns is None and len(calls) == 1 and (advantages[~mask] == 0).all()
+    starts = {(b, t) for b, t in calls[0]}
+    assert all(t > 0 for _, t in starts) != value_prompt or not mask.any()
+    assert len(starts) == int(torch.minimum(num_segments(segment_ids) - (0 if value_prompt else 1),
+                                            torch.tensor(max_boundaries)).clamp(min=0).sum())
+    if not value_prompt:  # a row of one segment has nothing to value: all its tokens get 0, and no call is made
+        whole = fixed_ngram(mask, None)
+        calls.clear()
+        nothing = get_estimator("mc_segment").obj(dataclasses.replace(batch, segment_ids=whole))[0]
+        assert (nothing == 0).all() and calls == []
 
 
 def test_prefixes_and_full_responses():
@@ -265,7 +320,8 @@ def test_options_and_errors():
     help_text = build_parser("ppo")._subparsers._group_actions[0].choices["ppo"].format_help()
     section = " ".join(help_text.split()).split("advantage estimator mc_segment (--advantage mc_segment", 1)[1]
     assert "--mc_samples MC_SAMPLES continuations sampled per kept boundary (K) (default: 4)" in section
-    assert "(default: 4) advantage estimator" in section.split("--max_boundaries MAX_BOUNDARIES", 1)[1]
+    assert "always kept (default: 4) --value_prompt" in section.split("--max_boundaries MAX_BOUNDARIES", 1)[1]
+    assert "(default: True) advantage estimator" in section.split("--value_prompt [true|false] value the", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------- in PPO

@@ -177,7 +177,17 @@ def test_group_of_one_and_edge_cases():
         prefix_tree_advantages(scores, ids[:, :2], mask, 2)
 
 
-def test_float32_matches_double():
-    scores, ids, mask, _ = _group_batch(3, groups=4, group_size=8, width=30, vocab=3)
-    torch.testing.assert_close(prefix_tree_advantages(scores.float(), ids, mask, 8),
-                               prefix_tree_advantages(scores, ids, mask, 8).float(), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_scores_get_the_float64_values_rounded_once(dtype):
+    """The group statistics and node values are computed in float64: each advantage is the float64 reference's
+    value of the scores rounded once to their dtype, and a group of equal scores (eight copies of 0.1, which
+    float32 statistics turned into -0.0074) gets exactly 0 on every token, branches or not."""
+    scores, ids, mask, lengths = _group_batch(3, groups=4, group_size=8, width=30, vocab=3)
+    scores = scores.to(dtype)
+    out = prefix_tree_advantages(scores, ids, mask, 8)
+    expected = torch.tensor(prefix_tree_ref(scores.double(), ids, lengths, 8), dtype=torch.float64)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=torch.finfo(dtype).eps / 2 * (1 + 1e-9),
+                               atol=1e-12)
+    equal = torch.full((32,), 0.1, dtype=dtype)
+    assert (prefix_tree_advantages(equal, ids, mask, 8) == 0).all()

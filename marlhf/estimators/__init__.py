@@ -17,7 +17,10 @@ sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give ever
 advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
 `prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
 GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
-estimator registered with `reads_entropy=True`), on the same summed reward. Each declares its options once, in the
+estimator registered with `reads_entropy=True`), on the same summed reward, and the critic-free `mc_segment`
+(VinePPO / SPO-chain, `mc_segment.py`: Monte-Carlo values at macro-action boundaries, from continuations the trainer
+samples, `continue_and_score`). The group statistics (`rloo`, `grpo`, `prefix_tree`) are computed in float64 and
+returned in the rewards' dtype. Each declares its options once, in the
 dataclass it registers (the built-ins' are also PPOConfig's flat flags: marlhf.plugins). A new one, with options of
 its own, is one file:
 

@@ -51,9 +51,9 @@ from transformers import get_scheduler
 
 from marlhf.checkpoint import (MANIFEST, checkpoint_step, list_checkpoints, load_checkpoint, resolve_resume,
                                save_checkpoint)
-from marlhf.config import RunConfig, TrainingConfig
 from marlhf.logging_utils import METRICS_FILE, MetricsLogger, reduce_metrics
 from marlhf.modeling import merge_lora
+from marlhf.run_config import RunConfig, TrainingConfig
 from marlhf.run_lock import OutputDirLock
 
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from marlhf.config import TrainingConfig, option
+from marlhf.config import option
 from marlhf.data.encoding import collate_pairs, encode_pairs
 from marlhf.data.records import STAGE_FIELDS, require_fields
 from marlhf.losses import dpo_loss
 from marlhf.modeling import AdaptersDisabled, apply_lora, load_causal_lm, load_tokenizer, sequence_logprobs
+from marlhf.run_config import TrainingConfig
 from marlhf.trainers.common import make_accelerator, records_from_config, train_supervised
 
 

@@ -375,7 +375,8 @@ def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
     """After a step under `kl_target`: move the KL coefficient with the step's KL over all processes' responses
     (one read to the host per step)."""
     row_kl = torch.where(experience.response_mask, experience.logprobs - experience.ref_logprobs, 0.0).sum(1)
-    run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item())
+    policy_lr = next(u for u in run.updaters if u.role == "policy").optimizer.param_groups[0]["lr"]
+    run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item(), policy_lr)
 
 
 def step_metrics(run: PPORun, experience: Experience, clock: dict[str, float]) -> dict[str, float]:

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from marlhf.segments import ValueWeighting
-from marlhf.config import TrainingConfig, add_option_argument, check_bounds, coerce_option, option
+from marlhf.config import add_option_argument, check_bounds, coerce_option, option
 from marlhf.errors import did_you_mean
 from marlhf import engines, estimators, policy_losses, termination
 from marlhf.imports import import_function
@@ -43,6 +43,7 @@ from marlhf.kl_control import AdaptiveKLController, AdaptiveKLOptions
 from marlhf.losses import LossAggregation, check_loss_options
 from marlhf.plugins import Plugin, Registry
 from marlhf.policy_losses.ppo import ClippedOptions
+from marlhf.run_config import TrainingConfig
 
 __all__ = ["PPOConfig", "PLUGINS", "BLOCKS", "FLAT_OPTIONS", "FlatOption", "flat_options", "import_named_plugins"]
 
@@ -190,7 +191,8 @@ class PPOConfig(TrainingConfig):
     advantage: str = option(
         "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; "
                "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, from the "
-               "policy's entropy at each token (computed only for it, in the scoring forward); an "
+               "policy's entropy at each token (computed only for it, in the scoring forward); mc_segment: "
+               "Monte-Carlo values at macro-action boundaries (VinePPO / SPO-chain); an "
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
@@ -226,7 +228,8 @@ class PPOConfig(TrainingConfig):
     whiten_advantages: bool = option(False, "normalise advantages over the batch (the released runs do not)")
     advantage_mask_threshold: float | None = option(
         None, "SPO's probability mask, for any estimator: keep a token's advantage only where the sampling policy "
-              "gave the sampled token probability below this, 0 elsewhere (after whitening; SPO: 0.9; none: off)",
+              "gave the sampled token probability below this, 0 elsewhere (after whiten_advantages, which whitens "
+              "over all response tokens where SPO whitens over the kept ones; SPO: 0.9; none: off)",
         ge=0, le=1)
 
     # Losses.
@@ -329,8 +332,9 @@ class PPOConfig(TrainingConfig):
                 and self.min_generated_tokens > self.max_generated_tokens):
             raise ValueError(f"min_generated_tokens ({self.min_generated_tokens}) must be <= max_generated_tokens "
                              f"({self.max_generated_tokens})")
-        if kl_control.kl_target is not None:  # the horizon against the responses per step
-            AdaptiveKLController(self.kl_coef, kl_control.kl_target, kl_control.kl_horizon, self.rollout_size)
+        if kl_control.kl_target is not None:  # the horizon against the responses per step, and the bound
+            AdaptiveKLController(self.kl_coef, kl_control.kl_target, kl_control.kl_horizon, self.rollout_size,
+                                 kl_control.kl_coef_max)
 
     def _check_rollout_logprobs(self) -> None:
         """What a stale rollout and comparing the engine's log-probs with the trainer's need."""

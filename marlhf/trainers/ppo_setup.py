@@ -289,7 +289,7 @@ def start_ppo_run(config: PPOConfig, accelerator: Accelerator, plugins: Plugins,
     kl_control, kl_options = None, config.kl_control
     if kl_options.kl_target is not None:
         kl_control = AdaptiveKLController(config.kl_coef, kl_options.kl_target, kl_options.kl_horizon,
-                                          config.rollout_size * accelerator.num_processes)
+                                          config.rollout_size * accelerator.num_processes, kl_options.kl_coef_max)
     generated_tokens = GeneratedTokens() if config.counts_generated_tokens else None
     more = {"kl_coef": kl_control, "generated_tokens": generated_tokens}
     trained_models, optimizers, schedulers = checkpointed(

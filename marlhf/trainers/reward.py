@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from marlhf.config import TrainingConfig, option
+from marlhf.config import option
 from marlhf.data.encoding import Pair, collate_pairs, encode_pairs
 from marlhf.data.records import STAGE_FIELDS, require_fields
 from marlhf.losses import bradley_terry_loss
 from marlhf.modeling import ScalarHeadModel, apply_lora, last_token_index, load_tokenizer
+from marlhf.run_config import TrainingConfig
 from marlhf.trainers.common import make_accelerator, records_from_config, train_supervised
 
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from marlhf.config import TrainingConfig, option
+from marlhf.config import option
 from marlhf.data.encoding import collate_prompt_response, encode_prompt_response
 from marlhf.data.records import require_fields
 from marlhf.modeling import apply_lora, load_causal_lm, load_tokenizer
+from marlhf.run_config import TrainingConfig
 from marlhf.trainers.common import make_accelerator, records_from_config, train_supervised
 
 IGNORE_INDEX = -100  # label value the Hugging Face loss skips

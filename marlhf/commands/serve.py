@@ -1,12 +1,12 @@
-"""`marlhf vllm-serve`: the command's flags (registered in marlhf.cli like the evaluation tools); the server
-itself is marlhf.engines.vllm_serve, imported when the command runs (it needs torch, transformers and vLLM)."""
+"""`marlhf vllm-serve`: the command's flags; the server itself is marlhf.engines.vllm_serve, imported when the
+command runs (it needs torch, transformers and vLLM)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from marlhf.evaluation.commands import Tool
+from marlhf.commands.base import Tool
 
 DESCRIPTION = ("serve rollouts with vLLM over HTTP for rollout_engine='vllm_server' (weights come over "
                "torch.distributed: gloo on CPU, NCCL on GPUs)")
@@ -25,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_model_len", type=int, default=None, help="longest prompt + response (tokens)")
     parser.add_argument("--engine_kwargs", type=json.loads, default=None,
                         help="further vLLM engine arguments as JSON (the vllm option engine_kwargs)")
-
 
 
 def _run(arguments: argparse.Namespace) -> int:

@@ -1,6 +1,5 @@
 """The evaluation tools of the `marlhf` command that take files rather than a config: `plot`, `judge`,
-`human-eval` (`evaluate` is a config command like the trainers). Each tool is (add_arguments, run,
-description); heavy imports happen in `run`."""
+`human-eval` (`evaluate` is a config command like the trainers). Heavy imports happen in each tool's `run`."""
 
 from __future__ import annotations
 
@@ -8,8 +7,8 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
+from marlhf.commands.base import Tool
 from marlhf.errors import MarlhfError
 
 
@@ -25,12 +24,6 @@ def _number(minimum: float, kind: type = float) -> Callable[[str], float]:
         return value
 
     return parse
-
-
-class Tool(NamedTuple):
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    description: str
 
 
 def _plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +133,7 @@ def _run_human_eval(arguments: argparse.Namespace) -> int:
     return 0
 
 
-TOOLS: dict[str, Tool] = {
+EVALUATION_TOOLS: dict[str, Tool] = {
     "plot": Tool(_plot_arguments, _run_plot,
                  "training diagnostics (reward, KL, advantage/return L2 norms, segment length, repetition) "
                  "from runs' metrics.jsonl, mean and spread over seeds"),

@@ -1,11 +1,11 @@
-"""`marlhf demo`: the command-line tool (registered in marlhf.cli like the evaluation tools)."""
+"""`marlhf demo`: the embedded demo's tool; the demo itself is marlhf.demo, imported when the command runs."""
 
 from __future__ import annotations
 
 import argparse
 
+from marlhf.commands.base import Tool
 from marlhf.errors import MarlhfError
-from marlhf.evaluation.commands import Tool
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
