@@ -1,0 +1,277 @@
+"""Multi-turn rows (issue 47, docs/algorithm.md#multi-turn): the core functions on an action mask with gaps (False on
+the observation tokens between turns, `segment_ids` -1 there), against slow per-episode references on random
+multi-turn batches (ragged turns, empty observations, one-turn episodes, truncated episodes, all padding), and the
+invariance that matters: an observation token's log-prob, value or reward changes no advantage and no gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marlhf._checks import check_segment_ids
+from marlhf.advantages import kl_penalized_rewards, macro_gae, token_gae, whiten
+from marlhf.losses import loss_units, policy_loss, value_loss
+from marlhf.segments import (fixed_ngram, has_gaps, last_positions, pack_actions, segment_first_token,
+                             segment_last_token, split_by_turns, split_last_token, unpack_actions, value_weights)
+from tests.reference import macro_gae_ref, policy_loss_ref, segments_of_row, value_loss_ref
+
+
+def random_episodes(batch: int, width: int, g: torch.Generator, max_turns: int = 4):
+    """A random multi-turn batch over the response region: per row, turns of 1-4 action tokens, each but the last
+    followed by an observation of 0-3 tokens (0: an empty observation), cut at `width` (a truncated episode). Row 0
+    is all padding, row 1 a one-turn episode. Returns (action mask, real-token mask, turn_ids), [B, T] each."""
+    action = torch.zeros(batch, width, dtype=torch.bool)
+    real = torch.zeros(batch, width, dtype=torch.bool)
+    turn_ids = torch.full((batch, width), -1, dtype=torch.long)
+    for b in range(batch):
+        turns = 0 if b == 0 else 1 if b == 1 else int(torch.randint(1, max_turns + 1, (1,), generator=g))
+        t = 0
+        for k in range(turns):
+            for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+                if t < width:
+                    action[b, t], real[b, t], turn_ids[b, t] = True, True, k
+                t += 1
+            if k + 1 < turns:
+                for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
+                    if t < width:
+                        real[b, t] = True
+                    t += 1
+    return action, real, turn_ids
+
+
+def _batch(seed: int, batch: int = 10, width: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    action, real, turn_ids = random_episodes(batch, width, g)
+    x = [torch.randn(batch, width, generator=g, dtype=torch.double) for _ in range(3)]
+    return action, real, turn_ids, x, g
+
+
+def _random_segments(turn_ids: torch.Tensor, g: torch.Generator, p: float = 0.3) -> torch.Tensor:
+    """Random segments inside the turns: a segment starts at every turn start and elsewhere with probability p."""
+    cuts = torch.rand(turn_ids.shape, generator=g) < p
+    return split_by_turns(cuts.long().cumsum(dim=1), turn_ids)
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=1e-9, atol=1e-9)
+
+
+def verl_token_gae_ref(rewards, values, action, gamma, lam):
+    """Multi-turn token GAE as verl computes it (compute_gae_advantage_return, verl/trainer/ppo/core_algos.py): one
+    pass right to left over every position; on a non-action position the next value and the running advantage are
+    carried over unchanged (the observation is skipped, not a zero-reward step)."""
+    batch, width = rewards.shape
+    adv = [[0.0] * width for _ in range(batch)]
+    for b in range(batch):
+        next_value, running = 0.0, 0.0
+        for t in reversed(range(width)):
+            if action[b, t]:
+                running = float(rewards[b, t]) + gamma * next_value - float(values[b, t]) + gamma * lam * running
+                next_value = float(values[b, t])
+                adv[b][t] = running
+    return adv
+
+
+def test_random_episodes_have_every_edge_case():
+    action, real, turn_ids = random_episodes(40, 16, torch.Generator().manual_seed(0))
+    check_segment_ids(split_by_turns(turn_ids, turn_ids), action)
+    assert not action[0].any() and action[1].any() and not has_gaps(action[1:2])
+    assert has_gaps(action) and (action[:, -1]).any()  # gaps, and episodes cut at the width
+    adjacent = (turn_ids[:, 1:] > turn_ids[:, :-1]) & (turn_ids[:, :-1] >= 0)
+    assert adjacent.any()  # an empty observation: two turns side by side
+
+
+def test_has_gaps_pack_and_unpack():
+    mask = torch.tensor([[True, False, True, False], [True, True, False, False], [False, False, False, False]])
+    assert has_gaps(mask) and not has_gaps(mask[1:])
+    x = torch.arange(12.0).view(3, 4)
+    packed, packed_mask = pack_actions(x, mask)
+    assert packed.tolist() == [[0.0, 2.0, 0.0, 0.0], [4.0, 5.0, 0.0, 0.0], [0.0] * 4]
+    assert packed_mask.tolist() == [[True, True, False, False], [True, True, False, False], [False] * 4]
+    assert unpack_actions(packed, mask).tolist() == [[0.0, 0.0, 2.0, 0.0], [4.0, 5.0, 0.0, 0.0], [0.0] * 4]
+    assert last_positions(mask).tolist() == [2, 1, 0]
+
+
+def test_segment_ids_never_span_a_gap():
+    mask = torch.tensor([[True, True, False, True, True, False]])
+    check_segment_ids(torch.tensor([[0, 0, -1, 1, 1, -1]]), mask)
+    with pytest.raises(ValueError, match="never spans an observation"):
+        check_segment_ids(torch.tensor([[0, 0, -1, 0, 1, -1]]), mask)
+    with pytest.raises(ValueError, match="contiguously"):
+        check_segment_ids(torch.tensor([[0, 0, -1, 2, 2, -1]]), mask)
+    with pytest.raises(ValueError, match="-1 on padding"):
+        check_segment_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]), mask)
+
+
+def test_split_by_turns():
+    turn_ids = torch.tensor([[0, 0, -1, 1, 1, 2, 2, -1]])  # an empty observation between turns 1 and 2
+    rule = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
+    assert split_by_turns(rule, turn_ids).tolist() == [[0, 0, -1, 1, 2, 3, 3, -1]]
+    assert split_by_turns(turn_ids, turn_ids).tolist() == [[0, 0, -1, 1, 1, 2, 2, -1]]
+    single = torch.tensor([[0, 0, 0, -1]])  # one turn, right-padded: a valid segmentation is kept
+    assert split_by_turns(torch.tensor([[0, 1, 1, -1]]), single).tolist() == [[0, 1, 1, -1]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segment_boundaries_and_value_weights_per_turn(seed):
+    action, _, turn_ids, (values, _, _), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    first, last = segment_first_token(segment_ids), segment_last_token(segment_ids)
+    for b in range(action.shape[0]):
+        for positions in segments_of_row(segment_ids[b].tolist()):
+            assert positions == list(range(positions[0], positions[-1] + 1))  # a run: never spans a gap
+            assert first[b, positions].tolist() == [True] + [False] * (len(positions) - 1)
+            assert last[b, positions].tolist() == [False] * (len(positions) - 1) + [True]
+    for weighting in ("equal", "unit", "first", "position"):
+        w = value_weights(segment_ids, action, weighting, torch.double)
+        packed_ids = pack_actions(segment_ids.double() + 1, action)[0].long() - 1
+        packed_w = value_weights(packed_ids, packed_ids >= 0, weighting, torch.double)
+        torch.testing.assert_close(w, unpack_actions(packed_w, action))
+        assert (w[~action] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_token_gae_skips_observations_as_verl_does(seed, gamma, lam):
+    action, _, _, (rewards, values, _), _ = _batch(seed)
+    adv, ret = token_gae(rewards, values, action, gamma, lam)
+    expected = verl_token_gae_ref(rewards, values, action, gamma, lam)
+    _close(adv, expected)
+    _close(ret, torch.where(action, torch.tensor(expected, dtype=torch.double) + values, 0.0))
+    # the same as macro GAE over one-token segments numbered across the gaps
+    one_token = torch.where(action, action.long().cumsum(dim=1) - 1, -1)
+    macro = macro_gae(rewards, values, action, one_token, gamma, lam)
+    torch.testing.assert_close(macro[0], adv)
+    torch.testing.assert_close(macro[1], ret)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("weighting", ["equal", "unit", "first", "position"])
+@pytest.mark.parametrize("segment_reward", ["sum", "mean"])
+def test_macro_gae_on_gaps_matches_reference(seed, weighting, segment_reward):
+    action, _, turn_ids, (rewards, values, _), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    adv, ret = macro_gae(rewards, values, action, segment_ids, 0.9, 0.8, weighting, segment_reward)
+    adv_ref, ret_ref = macro_gae_ref(rewards.tolist(), values.tolist(), segment_ids.tolist(), 0.9, 0.8, weighting,
+                                     segment_reward)
+    _close(adv, adv_ref)
+    _close(ret, ret_ref)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_observation_tokens_change_no_advantage(seed):
+    action, _, turn_ids, (rewards, values, noise), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    moved_rewards = torch.where(action, rewards, noise)
+    moved_values = torch.where(action, values, 3 * noise)
+    for fn in (lambda r, v: token_gae(r, v, action, 0.9, 0.8),
+               lambda r, v: macro_gae(r, v, action, segment_ids, 0.9, 0.8, "first"),
+               lambda r, v: macro_gae(r, v, action, segment_ids, 0.9, 0.8, "equal", discount="token")):
+        for a, b in zip(fn(rewards, values), fn(moved_rewards, moved_values)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            assert (a[~action] == 0).all()
+    torch.testing.assert_close(whiten(rewards, action), whiten(moved_rewards, action), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kl_rewards_and_whiten_on_gaps(seed):
+    action, _, turn_ids, (logprobs, ref, x), g = _batch(seed)
+    scores = torch.randn(action.shape[0], generator=g, dtype=torch.double)
+    rewards = kl_penalized_rewards(scores, logprobs, ref, action, 0.1)
+    for b in range(action.shape[0]):
+        positions = action[b].nonzero().flatten().tolist()
+        expected = torch.zeros(action.shape[1], dtype=torch.double)
+        for t in positions:
+            expected[t] = -0.1 * (logprobs[b, t] - ref[b, t])
+        if positions:
+            expected[positions[-1]] += scores[b]
+        _close(rewards[b], expected)
+    turns = int(turn_ids.max()) + 1
+    turn_rewards = torch.randn(action.shape[0], turns, generator=g, dtype=torch.double)
+    per_turn = kl_penalized_rewards(turn_rewards, logprobs, ref, action, 0.0, turn_ids)
+    for b in range(action.shape[0]):
+        for k in range(turns):
+            positions = (turn_ids[b] == k).nonzero().flatten().tolist()
+            for t in positions:
+                assert per_turn[b, t] == (turn_rewards[b, k] if t == positions[-1] else 0.0)
+    assert (per_turn[~action] == 0).all()
+    with pytest.raises(ValueError, match="turn_ids"):
+        kl_penalized_rewards(turn_rewards[:, :1], logprobs, ref, action, 0.0, turn_ids)
+    white = whiten(x, action)
+    values = x[action]
+    _close(white[action], (values - values.mean()) / (values.var(unbiased=False) + 1e-8).sqrt())
+    assert (white[~action] == 0).all()
+
+
+def test_split_last_token_on_gaps():
+    mask = torch.tensor([[True, True, False, True, False], [True, True, False, True, True], [False] * 5])
+    ids = torch.tensor([[0, 0, -1, 1, -1], [0, 0, -1, 1, 1], [-1] * 5])
+    assert split_last_token(ids, mask).tolist() == [[0, 0, -1, 1, -1], [0, 0, -1, 1, 2], [-1] * 5]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("granularity,weighting", [("macro", "tokens"), ("macro", "uniform"), ("macro", "geometric"),
+                                                   ("token", "tokens")])
+def test_policy_loss_on_gaps_matches_reference(seed, granularity, weighting):
+    action, _, turn_ids, (logprobs, old, noise), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    old = logprobs + 0.3 * old
+    advantages = macro_gae(noise, noise, action, segment_ids, 1.0, 0.9)[0]
+    loss, stats = policy_loss(logprobs, old, advantages, action, segment_ids, 0.2, granularity, weighting)
+    expected, clipfrac = policy_loss_ref(logprobs.tolist(), old.tolist(), advantages.tolist(), segment_ids.tolist(),
+                                         0.2, granularity, weighting)
+    _close(loss, expected)
+    assert abs(float(stats["clipfrac"]) - clipfrac) < 1e-6  # a float32 mean
+    units = loss_units(action, segment_ids, weighting)
+    assert int(units) == (int((segment_ids.max(dim=1).values + 1).sum()) if weighting == "uniform"
+                          else int(action.sum()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("granularity", ["macro", "token"])
+def test_observation_log_probs_change_no_gradient(seed, granularity):
+    """The issue's test: an observation token's log-prob (current or old), advantage or value moves neither the
+    policy loss nor any gradient, and its own gradient is 0."""
+    action, _, turn_ids, (logprobs, old, values), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    advantages, returns = macro_gae(old, values, action, segment_ids, 1.0, 0.9, "first")
+    old = logprobs.detach() + 0.2 * old
+    noise = torch.randn(action.shape, generator=g, dtype=torch.double)
+
+    def grads(shift):
+        lp = torch.where(action, logprobs, logprobs + 5 * shift).requires_grad_(True)
+        vals = torch.where(action, values, values - 7 * shift).requires_grad_(True)
+        loss = policy_loss(lp, torch.where(action, old, old + shift), torch.where(action, advantages, 9 * shift),
+                           action, segment_ids, 0.2, granularity)[0]
+        critic = value_loss(vals, torch.where(action, values, shift), torch.where(action, returns, -shift), action,
+                            segment_ids, 0.5, "first")[0]
+        (loss + critic).backward()
+        return loss.detach(), critic.detach(), lp.grad, vals.grad
+
+    base, moved = grads(torch.zeros_like(noise)), grads(noise)
+    for a, b in zip(base, moved):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (base[2][~action] == 0).all() and (base[3][~action] == 0).all()
+    assert base[2][action].abs().sum() > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("weighting", ["equal", "first", "unit"])
+def test_value_loss_on_gaps_matches_reference(seed, weighting):
+    action, _, turn_ids, (values, old, returns), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    returns = macro_gae(returns, old, action, segment_ids, 1.0, 0.9, weighting)[1]
+    loss, _ = value_loss(values, old, returns, action, segment_ids, 0.3, weighting)
+    _close(loss, value_loss_ref(values.tolist(), old.tolist(), returns.tolist(), segment_ids.tolist(), 0.3,
+                                weighting))
+
+
+def test_rules_see_the_real_tokens_and_are_cut_at_turns():
+    """A single-turn rule (here fixed n-grams) runs on the right-padded mask of every real token; split_by_turns
+    keeps its cuts, adds one at every turn start and drops the observation tokens."""
+    action, real, turn_ids, _, _ = _batch(0)
+    segment_ids = split_by_turns(fixed_ngram(real, 3), turn_ids)
+    check_segment_ids(segment_ids, action)
+    for b in range(action.shape[0]):
+        for positions in segments_of_row(segment_ids[b].tolist()):
+            assert len({t // 3 for t in positions}) == 1 and len(set(turn_ids[b, positions].tolist())) == 1
