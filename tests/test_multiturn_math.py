@@ -5,6 +5,8 @@ invariance that matters: an observation token's log-prob, value or reward change
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -275,3 +277,70 @@ def test_rules_see_the_real_tokens_and_are_cut_at_turns():
     for b in range(action.shape[0]):
         for positions in segments_of_row(segment_ids[b].tolist()):
             assert len({t // 3 for t in positions}) == 1 and len(set(turn_ids[b, positions].tolist())) == 1
+
+
+# ---- the `turn` termination rule and how every rule composes with the turns
+def _segmentation_batch(rule: str, real, turn_ids, options=None):
+    from marlhf.termination import SegmentationBatch, get_termination
+
+    plugin = get_termination(rule)
+    options = plugin.options(**(options or {})) if plugin.options is not None else None
+    return plugin, SegmentationBatch(torch.zeros_like(turn_ids), real, None, None, options, seed=0, turn_ids=turn_ids)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_turn_rule_makes_each_turn_one_macro_action(seed):
+    from marlhf.termination import segment
+
+    action, real, turn_ids, _, _ = _batch(seed)
+    segment_ids, _ = segment(*_segmentation_batch("turn", real, turn_ids))
+    check_segment_ids(segment_ids, action)
+    assert torch.equal(segment_ids, turn_ids)  # every turn has action tokens: the ids are the turns'
+    skipped = torch.where(turn_ids >= 2, turn_ids + 1, turn_ids)  # a turn without action tokens (e.g. cut at 0)
+    assert torch.equal(segment(*_segmentation_batch("turn", real, skipped))[0], turn_ids)
+
+
+def test_turn_rule_errors_in_one_line():
+    from marlhf.termination import SegmentationBatch, get_termination, segment
+
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^termination 'turn' needs the policy turn of each token"):
+        segment("turn", SegmentationBatch(torch.zeros(2, 3, dtype=torch.long), mask, None, None, None, seed=0))
+    bad = torch.tensor([[0, 0, 1], [1, 0, -1]])
+    with pytest.raises(ValueError, match="nondecreasing"):
+        segment("turn", SegmentationBatch(torch.zeros_like(bad), mask, None, None, None, seed=0, turn_ids=bad))
+    assert get_termination("turn").reads_reference is False
+
+
+@pytest.mark.parametrize("rule,options", [("fixed", {"ngram": 3}), ("fixed", {"ngram": 1}), ("randomized", None)])
+def test_every_rule_is_cut_at_the_turns(rule, options):
+    from marlhf.termination import segment
+
+    action, real, turn_ids, _, _ = _batch(1)
+    plugin, batch = _segmentation_batch(rule, real, turn_ids, options)
+    alone = plugin.obj(batch)
+    segment_ids, _ = segment(plugin, batch)
+    check_segment_ids(segment_ids, action)
+    for b in range(action.shape[0]):
+        for positions in segments_of_row(segment_ids[b].tolist()):
+            assert len(set(turn_ids[b, positions].tolist())) == 1 and len(set(alone[b, positions].tolist())) == 1
+        starts = [positions[0] for positions in segments_of_row(segment_ids[b].tolist())]
+        expected = [t for t in action[b].nonzero().flatten().tolist()
+                    if t == 0 or turn_ids[b, t - 1] != turn_ids[b, t] or alone[b, t - 1] != alone[b, t]]
+        assert starts == expected
+
+
+def test_single_turn_rows_segment_as_before():
+    """turn_ids 0 on every token of right-padded rows changes no rule's segments."""
+    from marlhf.termination import segment
+
+    lengths = torch.tensor([0, 1, 7, 12, 5])
+    mask = torch.arange(12)[None, :] < lengths[:, None]
+    turn_ids = torch.where(mask, 0, -1)
+    for rule, options in (("fixed", {"ngram": 3}), ("randomized", None), ("turn", None)):
+        plugin, batch = _segmentation_batch(rule, mask, turn_ids, options)
+        with_turns = segment(plugin, batch)[0]
+        if rule == "turn":
+            assert torch.equal(with_turns, fixed_ngram(mask, None))
+        else:
+            assert torch.equal(with_turns, segment(plugin, dataclasses.replace(batch, turn_ids=None))[0])
