@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from marlhf._checks import check_segment_ids
-from marlhf.advantages import kl_penalized_rewards, macro_gae, token_gae, whiten
+from marlhf.advantages import discounted_reverse_cumsum, kl_penalized_rewards, macro_gae, token_gae, whiten
 from marlhf.losses import loss_units, policy_loss, value_loss
 from marlhf.segments import (fixed_ngram, has_gaps, last_positions, pack_actions, segment_first_token,
                              segment_last_token, split_by_turns, split_last_token, unpack_actions, value_weights)
@@ -344,3 +344,120 @@ def test_single_turn_rows_segment_as_before():
             assert torch.equal(with_turns, fixed_ngram(mask, None))
         else:
             assert torch.equal(with_turns, segment(plugin, dataclasses.replace(batch, turn_ids=None))[0])
+
+
+# ---- turn-level GAE (Turn-PPO) = macro GAE over the turns with the value at each turn's first action token
+def turn_gae_ref(rewards, values, turn_ids, gamma, lam, discount):
+    """Turn-PPO per episode, from the formulas: turn k (action tokens t_k .. t_k + n_k - 1, observations skipped) has
+    V_k = V(t_k), R_k = sum_i g^i r_{t_k + i} and a discount D_k (g = 1 and D_k = gamma per turn; g = gamma and
+    D_k = gamma^n_k per token); A_k = R_k + D_k V_{k+1} - V_k + D_k lam A_{k+1}, V_K = 0, Q_k = A_k + V_k."""
+    batch, width = rewards.shape
+    adv, ret = torch.zeros(batch, width, dtype=torch.double), torch.zeros(batch, width, dtype=torch.double)
+    for b in range(batch):
+        turns = [(turn_ids[b] == k).nonzero().flatten().tolist() for k in range(int(turn_ids[b].max()) + 1)]
+        running, next_value = 0.0, 0.0
+        for positions in reversed(turns):
+            g = gamma if discount == "token" else 1.0
+            d = gamma ** len(positions) if discount == "token" else gamma
+            reward = sum(g ** i * float(rewards[b, t]) for i, t in enumerate(positions))
+            value = float(values[b, positions[0]])
+            running = reward + d * next_value - value + d * lam * running
+            next_value = value
+            adv[b, positions], ret[b, positions] = running, running + value
+    return adv, ret
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("discount", ["segment", "token"])
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.9), (0.9, 1.0), (1.0, 0.95), (0.5, 0.0)])
+def test_turn_level_gae_matches_turn_ppo_reference(seed, discount, gamma, lam):
+    action, _, turn_ids, (rewards, values, _), _ = _batch(seed)
+    adv, ret = macro_gae(rewards, values, action, turn_ids, gamma, lam, "first", "sum", discount)
+    adv_ref, ret_ref = turn_gae_ref(rewards, values, turn_ids, gamma, lam, discount)
+    _close(adv, adv_ref)
+    _close(ret, ret_ref)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma,lam", [(0.9, 0.8), (0.97, 1.0)])
+def test_discount_per_token_is_token_gae_under_a_lambda_schedule(seed, gamma, lam):
+    """With discount 'token' and 'first', macro GAE at each segment's first token is token GAE (observations
+    skipped) with lambda 1 inside a segment and lam where the next one starts; one-token segments are token GAE."""
+    action, _, turn_ids, (rewards, values, _), g = _batch(seed)
+    segment_ids = _random_segments(turn_ids, g)
+    adv, _ = macro_gae(rewards, values, action, segment_ids, gamma, lam, "first", "sum", "token")
+    for b in range(action.shape[0]):
+        positions = action[b].nonzero().flatten().tolist()
+        running, next_value, expected = 0.0, 0.0, {}
+        for i in reversed(range(len(positions))):
+            t = positions[i]
+            starts_next = i + 1 < len(positions) and segment_ids[b, positions[i + 1]] != segment_ids[b, t]
+            running = (float(rewards[b, t]) + gamma * next_value - float(values[b, t])
+                       + gamma * (lam if starts_next else 1.0) * running)
+            next_value, expected[t] = float(values[b, t]), running
+        for t in segment_first_token(segment_ids)[b].nonzero().flatten().tolist():
+            assert abs(float(adv[b, t]) - expected[t]) < 1e-9
+    one_token = torch.where(action, action.long().cumsum(dim=1) - 1, -1)
+    for a, b in zip(macro_gae(rewards, values, action, one_token, gamma, lam, "equal", "sum", "token"),
+                    token_gae(rewards, values, action, gamma, lam)):
+        torch.testing.assert_close(a, b)
+
+
+def test_discount_per_token_takes_per_row_lambda_and_checks_its_options():
+    action, _, turn_ids, (rewards, values, _), _ = _batch(0)
+    lam = torch.linspace(0, 1, action.shape[0], dtype=torch.double)
+    adv, _ = macro_gae(rewards, values, action, turn_ids, 0.9, lam, "first", "sum", "token")
+    for b in range(action.shape[0]):
+        row = slice(b, b + 1)
+        _close(adv[row], turn_gae_ref(rewards[row], values[row], turn_ids[row], 0.9, float(lam[b]), "token")[0])
+    with pytest.raises(ValueError, match="needs segment_reward='sum'"):
+        macro_gae(rewards, values, action, turn_ids, 0.9, 0.9, "first", "mean", "token")
+    with pytest.raises(ValueError, match="`discount` must be"):
+        macro_gae(rewards, values, action, turn_ids, 0.9, 0.9, "first", "sum", "turn")
+    from marlhf.estimators import GAEOptions
+
+    with pytest.raises(ValueError, match="needs segment_reward 'sum'"):
+        GAEOptions(discount="token", segment_reward="mean")
+
+
+def test_discounted_reverse_cumsum_per_step():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g, dtype=torch.double)
+    d = torch.rand(4, 6, generator=g, dtype=torch.double)
+    d[0, 2] = 0.0
+    expected = torch.zeros_like(x)
+    for b in range(4):
+        running = 0.0
+        for t in reversed(range(6)):
+            running = float(x[b, t]) + float(d[b, t]) * running
+            expected[b, t] = running
+    torch.testing.assert_close(discounted_reverse_cumsum(x, d), expected)
+    constant = torch.full((4, 6), 0.7, dtype=torch.double)
+    torch.testing.assert_close(discounted_reverse_cumsum(x, constant), discounted_reverse_cumsum(x, 0.7))
+
+
+def test_gae_estimator_is_turn_ppo_with_the_turn_rule():
+    from marlhf.estimators import AdvantageBatch, GAEOptions, get_estimator
+
+    action, _, turn_ids, (rewards, values, _), _ = _batch(2)
+    for discount in ("segment", "token"):
+        options = GAEOptions(gamma=0.99, lam=0.9, discount=discount)
+        adv, ret = get_estimator("gae").obj(AdvantageBatch(rewards, values, action, turn_ids, options, 1, "first"))
+        adv_ref, ret_ref = turn_gae_ref(rewards, values, turn_ids, 0.99, 0.9, discount)
+        _close(adv, adv_ref)
+        _close(ret, ret_ref)
+
+
+def test_per_turn_clipping_is_the_turns_joint_ratio():
+    """A turn-sized macro action is clipped once, on the product of its action tokens' ratios: observations between
+    turns take no part."""
+    mask = torch.tensor([[True, True, False, False, True, False]])
+    turn_ids = torch.tensor([[0, 0, -1, -1, 1, -1]])
+    old = torch.zeros(1, 6, dtype=torch.double)
+    logprobs = torch.tensor([[0.1, 0.1, 5.0, -5.0, -0.01, 3.0]], dtype=torch.double)
+    advantages = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]], dtype=torch.double)
+    loss, stats = policy_loss(logprobs, old, advantages, mask, turn_ids, clip=0.2)
+    ratios = torch.tensor([0.2, -0.01], dtype=torch.double).exp()  # turn 0: exp(0.1 + 0.1), clipped at 1.2
+    expected = -(2 * ratios[0].clamp(max=1.2) + ratios[1]) / 3
+    _close(loss, expected)
+    assert float(stats["clipfrac"]) == 0.5
