@@ -66,6 +66,8 @@ SegmentReward = Literal["sum", "mean", "weighted"]
 Discount = Literal["segment", "token"]  # what gamma discounts in macro_gae: a macro action, or each action token
 LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (marlhf.estimators.gae.GAEOptions)
 EntropyLevel = Literal["token", "sequence"]  # GTPO or GRPO-S (entropy_weighted)
+GiGPOMode = Literal["mean_norm", "mean_std_norm"]  # the authors' names: minus the group mean, or also / its std
+EpisodeStatistics = Literal["steps", "episodes"]  # GiGPO's episode-level group statistics: over steps or episodes
 
 __all__ = [
     "kl_penalized_rewards",
@@ -81,6 +83,7 @@ __all__ = [
     "low_prob_advantage_mask",
     "entropy_shaped_rewards",
     "entropy_weighted",
+    "gigpo",
     "whiten",
 ]
 
@@ -594,6 +597,106 @@ def _standardize(x: torch.Tensor, members: torch.Tensor, eps: float) -> torch.Te
     centered = torch.where(members, x - mean, 0.0)
     std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     return centered / (std + eps)
+
+
+def gigpo(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    turn_ids: torch.Tensor,
+    turn_state_ids: torch.Tensor,
+    group_size: int,
+    gamma: float = 0.95,
+    step_advantage_w: float = 1.0,
+    mode: GiGPOMode = "mean_norm",
+    episode_statistics: EpisodeStatistics = "steps",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GiGPO (Feng et al., arXiv 2505.10978), as the authors' code computes it (langfengQ/verl-agent,
+    gigpo/core_gigpo.py, ``compute_gigpo_outcome_advantage``), one episode a row.
+
+    Episode i (of a prompt's ``group_size`` consecutive rows) has turns k = 0..n_i-1 (``turn_state_ids`` >= 0), turn
+    rewards r_{i,k} (the rewards summed over turn k's action tokens: the environment's reward, minus the KL penalty
+    when there is one), return R_i = sum_k r_{i,k}, and step returns G_{i,k} = sum_{j >= k} gamma^(j-k) r_{i,j}.
+
+    - Episode level: A^E_i = R_i - mean, or (R_i - mean) / (std + eps) with ``mode="mean_std_norm"``, the mean and
+      (unbiased) std over the group. ``episode_statistics="steps"`` (the code: one row per step, every row carrying
+      its episode's return) takes them over the group's steps, episode i counted n_i times; ``"episodes"`` over its
+      episodes, each once (the paper's Eq. 3). A group of one (step or episode) has mean 0 and std 1, as the code.
+    - Step level: the steps of a group's episodes with equal ``turn_state_ids`` (the anchor state: the same
+      environment state before the turn) form a step group; A^S_{i,k} = G_{i,k} - mean, or / (std + eps) likewise,
+      over the step group (a step group of one gets 0).
+    - Every action token of turn k of episode i gets A^E_i + ``step_advantage_w`` A^S_{i,k}.
+
+    The code's defaults differ from the paper's text: ``mode="mean_norm"`` (its config's default: no division by
+    the std; the paper's Eq. 3 and 7 divide by F_norm, the std), statistics over steps, and gamma 0.95 (its example
+    runs' ``algorithm.gamma``); ``mode="mean_std_norm"`` and ``episode_statistics="episodes"`` give the paper's.
+
+    Args:
+        rewards: float [B, T]; mask: bool [B, T], the action mask (gaps on observations); turn_ids: long [B, T], the
+            turn of each action token (-1 elsewhere); turn_state_ids: long [B, K], an id of the state before turn k
+            (equal ids: identical states), -1 past the episode's turns; group_size: episodes per prompt.
+    Returns:
+        advantages: float [B, T], 0 off the action tokens.
+    """
+    if episode_statistics not in ("steps", "episodes") or mode not in ("mean_norm", "mean_std_norm"):
+        raise ValueError(f"`episode_statistics` must be 'steps' or 'episodes' and `mode` 'mean_norm' or "
+                         f"'mean_std_norm', got {episode_statistics!r}, {mode!r}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"`gamma` must be in [0, 1], got {gamma}")
+    turn_rewards, turns = _gigpo_turns(rewards, mask, turn_ids, turn_state_ids, group_size)
+    episode_returns = turn_rewards.sum(dim=1)
+    counts = turns.sum(dim=1) if episode_statistics == "steps" else turns.any(dim=1).long()
+    groups = torch.arange(mask.shape[0], device=mask.device) // group_size
+    episode = _group_normalized(episode_returns, groups, counts.to(rewards.dtype), mode == "mean_std_norm", eps,
+                                single_mean_zero=True)
+    step_returns = discounted_reverse_cumsum(turn_rewards, gamma)
+    present = turns.reshape(-1)
+    keys = groups[:, None] * (int(turn_state_ids.max()) + 1 if turn_state_ids.numel() else 1) + turn_state_ids
+    step_groups = torch.unique(keys.reshape(-1)[present], return_inverse=True)[1]
+    step = torch.zeros_like(step_returns).reshape(-1)
+    step[present] = _group_normalized(step_returns.reshape(-1)[present], step_groups,
+                                      torch.ones_like(step_groups, dtype=rewards.dtype), mode == "mean_std_norm", eps,
+                                      single_mean_zero=False)
+    per_turn = episode[:, None] + step_advantage_w * step.view_as(step_returns)
+    placed = per_turn.gather(1, turn_ids.clamp(min=0)) if per_turn.shape[1] else torch.zeros_like(rewards)
+    return torch.where(mask, placed, 0.0)
+
+
+def _gigpo_turns(rewards, mask, turn_ids, turn_state_ids, group_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO's inputs checked: (turn rewards float [B, K], turns bool [B, K]: the episode's turns)."""
+    check_mask(mask, gaps=True)
+    check_like(rewards, mask, "rewards")
+    if not isinstance(turn_state_ids, torch.Tensor) or turn_state_ids.dtype != torch.long or \
+            turn_state_ids.dim() != 2 or turn_state_ids.shape[0] != mask.shape[0]:
+        raise ValueError(f"`turn_state_ids` must be a long [B, K] tensor, B = {mask.shape[0]}")
+    check_turn_ids(turn_ids, mask, turn_state_ids.shape[1])
+    _check_groups(rewards.new_zeros(mask.shape[0]), group_size, minimum=1)
+    turns = turn_state_ids >= 0
+    if bool((turns[:, 1:] & ~turns[:, :-1]).any()) or bool((turn_state_ids < -1).any()):
+        raise ValueError("`turn_state_ids` must be >= 0 on an episode's turns, then -1")
+    acted = segment_sum(torch.ones_like(rewards), turn_ids, turns.shape[1]) > 0
+    if bool((acted & ~turns).any()):
+        raise ValueError("`turn_state_ids` is -1 on a turn that has action tokens (`turn_ids`)")
+    return segment_sum(torch.where(mask, rewards, 0.0), turn_ids, turns.shape[1]), turns
+
+
+def _group_normalized(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor, divide_std: bool, eps: float,
+                      single_mean_zero: bool) -> torch.Tensor:
+    """x minus its group's weighted mean (and / (std + eps), the unbiased std of the group's multiset, x_i counted
+    weights_i times); a group of total weight 1 has mean 0 (single_mean_zero) or its own value, and std 1."""
+    slots = int(groups.max()) + 1 if groups.numel() else 0
+    count = x.new_zeros(slots).scatter_add(0, groups, weights)
+    mean = x.new_zeros(slots).scatter_add(0, groups, weights * x) / count.clamp(min=1)
+    centered = x - mean[groups]
+    var = x.new_zeros(slots).scatter_add(0, groups, weights * centered ** 2) / (count - 1).clamp(min=1)
+    single = (count <= 1)[groups]
+    if single_mean_zero:
+        centered = torch.where(single, x, centered)
+    else:
+        centered = torch.where(single, 0.0, centered)
+    if divide_std:
+        centered = centered / (torch.where(single, 1.0, var[groups].sqrt()) + eps)
+    return centered
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

@@ -461,3 +461,127 @@ def test_per_turn_clipping_is_the_turns_joint_ratio():
     expected = -(2 * ratios[0].clamp(max=1.2) + ratios[1]) / 3
     _close(loss, expected)
     assert float(stats["clipfrac"]) == 0.5
+
+
+# ---- GiGPO and GRPO / RLOO over episodes
+def _gigpo_batch(seed: int, group_size: int, groups: int = 4, width: int = 16):
+    """Episodes of `groups` prompts; anchor states drawn from a few ids per turn (turn 0: the prompt's one initial
+    state), so that step groups form across and within episodes; an all-padding row and a one-turn episode too."""
+    g = torch.Generator().manual_seed(seed)
+    action, _, turn_ids = random_episodes(groups * group_size, width, g)
+    turns = turn_ids.max(dim=1).values + 1
+    k = max(int(turns.max()), 1)
+    states = torch.randint(0, 3, (action.shape[0], k), generator=g)
+    states[:, 0] = 0
+    states = torch.where(torch.arange(k)[None, :] < turns[:, None], states, -1)
+    rewards = torch.where(action, torch.randn(action.shape, generator=g, dtype=torch.double), 0.0)
+    return rewards, action, turn_ids, states
+
+
+def gigpo_ref(rewards, turn_ids, states, group_size, gamma, w, mode, statistics, eps=1e-6):
+    """A transcription of the authors' computation (langfengQ/verl-agent, gigpo/core_gigpo.py: episode_norm_reward,
+    build_step_group, step_norm_reward, compute_step_discounted_returns) on their layout, one row per step: each
+    step row carries its episode's return and its own discounted step return; then back to our tokens."""
+    rows = []  # (prompt, episode, turn, episode return, step return, state)
+    for i in range(rewards.shape[0]):
+        n = int((states[i] >= 0).sum())
+        r = [float(rewards[i][turn_ids[i] == k].sum()) for k in range(n)]
+        for k in range(n):
+            step_return = sum(gamma ** (j - k) * r[j] for j in range(k, n))
+            rows.append((i // group_size, i, k, sum(r), step_return, int(states[i, k])))
+
+    def normalize(values_by_key, key, value, single_mean_zero):
+        out = []
+        for row in rows:
+            scores = values_by_key[key(row)]
+            if len(scores) == 1:
+                mean, std = (0.0 if single_mean_zero else scores[0]), 1.0
+            else:
+                as_tensor = torch.tensor(scores, dtype=torch.double)
+                mean, std = float(as_tensor.mean()), float(as_tensor.std())
+            out.append(value(row) - mean if mode == "mean_norm" else (value(row) - mean) / (std + eps))
+        return out
+
+    by_prompt, seen, by_state = {}, set(), {}
+    for row in rows:
+        if statistics == "steps" or (row[0], row[1]) not in seen:
+            by_prompt.setdefault(row[0], []).append(row[3])
+            seen.add((row[0], row[1]))
+        by_state.setdefault((row[0], row[5]), []).append(row[4])
+    episode = normalize(by_prompt, lambda row: row[0], lambda row: row[3], True)
+    step = normalize(by_state, lambda row: (row[0], row[5]), lambda row: row[4], False)
+    out = torch.zeros_like(rewards)
+    for row, a_episode, a_step in zip(rows, episode, step):
+        out[row[1]][turn_ids[row[1]] == row[2]] = a_episode + w * a_step
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+@pytest.mark.parametrize("mode,statistics", [("mean_norm", "steps"), ("mean_std_norm", "steps"),
+                                             ("mean_std_norm", "episodes"), ("mean_norm", "episodes")])
+def test_gigpo_matches_the_authors_computation(seed, group_size, mode, statistics):
+    from marlhf.advantages import gigpo
+
+    rewards, action, turn_ids, states = _gigpo_batch(seed, group_size)
+    for gamma, w in ((0.95, 1.0), (1.0, 0.5)):
+        advantages = gigpo(rewards, action, turn_ids, states, group_size, gamma, w, mode, statistics)
+        torch.testing.assert_close(advantages, gigpo_ref(rewards, turn_ids, states, group_size, gamma, w, mode,
+                                                         statistics), rtol=1e-9, atol=1e-9)
+        assert (advantages[~action] == 0).all()
+
+
+def test_gigpo_groups_steps_by_anchor_state():
+    """Two episodes of one prompt; turn 1 of both starts from state 7, their other turns from states of their own:
+    only the shared state compares their step returns."""
+    from marlhf.advantages import gigpo
+
+    action = torch.tensor([[True, False, True, False], [True, False, True, True]])
+    turn_ids = torch.tensor([[0, -1, 1, -1], [0, -1, 1, 2]])
+    states = torch.tensor([[0, 7, -1], [1, 7, 9]])
+    rewards = torch.tensor([[0.0, 0, 1, 0], [0.0, 0, 0, 3]], dtype=torch.double)
+    advantages = gigpo(rewards, action, turn_ids, states, 2, gamma=0.5, step_advantage_w=1.0)
+    # episode returns 1 and 3 over 2 + 3 steps: mean (2 * 1 + 3 * 3) / 5 = 2.2; step returns at state 7: 1 and 1.5
+    assert advantages[0].tolist() == pytest.approx([1 - 2.2, 0, 1 - 2.2 - 0.25, 0])
+    assert advantages[1].tolist() == pytest.approx([3 - 2.2, 0, 3 - 2.2 + 0.25, 3 - 2.2])
+    episodes = gigpo(rewards, action, turn_ids, states, 2, 0.5, 1.0, episode_statistics="episodes")
+    assert episodes[0, 0] == pytest.approx(-1.0)
+
+
+def test_gigpo_estimator_and_its_errors():
+    from marlhf.advantages import gigpo
+    from marlhf.estimators import AdvantageBatch, GiGPOOptions, get_estimator
+
+    rewards, action, turn_ids, states = _gigpo_batch(0, 2)
+    options = GiGPOOptions()
+    batch = AdvantageBatch(rewards, None, action, turn_ids, options, 2, "first", turn_ids=turn_ids,
+                           turn_state_ids=states)
+    advantages, returns = get_estimator("gigpo").obj(batch)
+    assert returns is None and get_estimator("gigpo").needs_critic is False
+    assert torch.equal(advantages, gigpo(rewards, action, turn_ids, states, 2, 0.95, 1.0, "mean_norm", "steps"))
+    moved = dataclasses.replace(batch, rewards=torch.where(action, rewards, 5.0))  # rewards on observations: ignored
+    assert torch.equal(get_estimator("gigpo").obj(moved)[0], advantages)
+    with pytest.raises(ValueError, match=r"^advantage 'gigpo' needs multi-turn episodes"):
+        get_estimator("gigpo").obj(dataclasses.replace(batch, turn_state_ids=None))
+    with pytest.raises(ValueError, match="-1 on a turn that has action tokens"):
+        gigpo(rewards, action, turn_ids, torch.where(turn_ids.new_ones(states.shape).bool(), -1, states), 2)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        gigpo(rewards[:3], action[:3], turn_ids[:3], states[:3], 2)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_grpo_and_rloo_over_episodes(name):
+    """One episode a row: its outcome is its rewards summed over its action tokens (the turns' rewards and KL), its
+    advantage on its action tokens only; rewards on observation tokens change nothing."""
+    from marlhf.advantages import grpo, rloo
+    from marlhf.estimators import GRPOOptions, get_estimator
+    from marlhf.estimators import AdvantageBatch
+
+    rewards, action, turn_ids, states = _gigpo_batch(1, 4)
+    options = GRPOOptions() if name == "grpo" else None
+    batch = AdvantageBatch(torch.where(action, rewards, 3.0), None, action, turn_ids, options, 4, "first",
+                           turn_ids=turn_ids, turn_state_ids=states)
+    advantages, _ = get_estimator(name).obj(batch)
+    outcomes = torch.tensor([float(rewards[i][action[i]].sum()) for i in range(action.shape[0])], dtype=torch.double)
+    expected = grpo(outcomes, 4) if name == "grpo" else rloo(outcomes, 4)
+    torch.testing.assert_close(advantages, torch.where(action, expected[:, None], 0.0))

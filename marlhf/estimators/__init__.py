@@ -17,7 +17,8 @@ sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give ever
 advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
 `prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
 GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
-estimator registered with `reads_entropy=True`), on the same summed reward. Each declares its options once, in the
+estimator registered with `reads_entropy=True`), on the same summed reward, and `gigpo` (`gigpo.py`: multi-turn
+episodes, from their turns, `turn_ids`, and anchor states, `turn_state_ids`). Each declares its options once, in the
 dataclass it registers (the built-ins' are also PPOConfig's flat flags: marlhf.plugins). A new one, with options of
 its own, is one file:
 
@@ -38,6 +39,7 @@ from marlhf.estimators.sequence import GRPOOptions  # noqa: E402
 from marlhf.estimators.prefix_tree import PrefixTreeOptions  # noqa: E402
 from marlhf.estimators.entropy_weighted import EntropyWeightedOptions  # noqa: E402
 from marlhf.estimators.mc_segment import MCSegmentOptions  # noqa: E402
+from marlhf.estimators.gigpo import GiGPOOptions  # noqa: E402
 
 __all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator", "GAEOptions",
-           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions", "MCSegmentOptions"]
+           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions", "MCSegmentOptions", "GiGPOOptions"]
