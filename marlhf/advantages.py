@@ -621,15 +621,16 @@ def gigpo(
     - Episode level: A^E_i = R_i - mean, or (R_i - mean) / (std + eps) with ``mode="mean_std_norm"``, the mean and
       (unbiased) std over the group. ``episode_statistics="steps"`` (the code: one row per step, every row carrying
       its episode's return) takes them over the group's steps, episode i counted n_i times; ``"episodes"`` over its
-      episodes, each once (the paper's Eq. 3). A group of one (step or episode) has mean 0 and std 1, as the code.
+      episodes, each once (the paper's Eq. 3). An episode-level group of one has mean 0 and std 1, as in the code.
     - Step level: the steps of a group's episodes with equal ``turn_state_ids`` (the anchor state: the same
       environment state before the turn) form a step group; A^S_{i,k} = G_{i,k} - mean, or / (std + eps) likewise,
       over the step group (a step group of one gets 0).
     - Every action token of turn k of episode i gets A^E_i + ``step_advantage_w`` A^S_{i,k}.
 
-    The code's defaults differ from the paper's text: ``mode="mean_norm"`` (its config's default: no division by
-    the std; the paper's Eq. 3 and 7 divide by F_norm, the std), statistics over steps, and gamma 0.95 (its example
-    runs' ``algorithm.gamma``); ``mode="mean_std_norm"`` and ``episode_statistics="episodes"`` give the paper's.
+    The code's defaults differ from the paper's text: ``mode="mean_norm"`` (its config's default: no division; the
+    paper's Eq. 3 and 7 divide by a factor F_norm, the group's std), statistics over steps, and gamma 0.95 (its
+    example runs' ``algorithm.gamma``); ``mode="mean_std_norm"`` and ``episode_statistics="episodes"`` give the
+    paper's. A turn's reward is what its action tokens carry: a turn without action tokens has none.
 
     Args:
         rewards: float [B, T]; mask: bool [B, T], the action mask (gaps on observations); turn_ids: long [B, T], the

@@ -585,3 +585,25 @@ def test_grpo_and_rloo_over_episodes(name):
     outcomes = torch.tensor([float(rewards[i][action[i]].sum()) for i in range(action.shape[0])], dtype=torch.double)
     expected = grpo(outcomes, 4) if name == "grpo" else rloo(outcomes, 4)
     torch.testing.assert_close(advantages, torch.where(action, expected[:, None], 0.0))
+
+
+def test_nan_on_observation_tokens_is_ignored_and_on_actions_refused():
+    """Observation tokens may hold anything (as padding may): NaN there changes no advantage, loss or gradient; NaN
+    on an action token is a one-line error naming the argument."""
+    action, _, turn_ids, (rewards, values, logprobs), _ = _batch(3)
+    nan = torch.full_like(rewards, float("nan"))
+    expected = macro_gae(rewards, values, action, turn_ids, 0.9, 0.8, "first", "sum", "token")
+    got = macro_gae(torch.where(action, rewards, nan), torch.where(action, values, nan), action, turn_ids, 0.9, 0.8,
+                    "first", "sum", "token")
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(token_gae(rewards, values, action, 0.9, 0.8),
+                    token_gae(torch.where(action, rewards, nan), values, action, 0.9, 0.8)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    loss = policy_loss(logprobs, logprobs.detach(), expected[0], action, turn_ids)[0]
+    torch.testing.assert_close(loss, policy_loss(torch.where(action, logprobs, nan), logprobs.detach(), expected[0],
+                                                 action, turn_ids)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="`rewards` holds NaN"):
+        token_gae(torch.where(action, nan, rewards), values, action)
+    empty = torch.zeros(2, 0, dtype=torch.bool)
+    assert not has_gaps(empty) and token_gae(torch.zeros(2, 0), torch.zeros(2, 0), empty)[0].shape == (2, 0)
