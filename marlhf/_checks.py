@@ -32,14 +32,16 @@ def _check_values() -> bool:
     return not _TRUSTED.get()
 
 
-def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
+def check_mask(mask: torch.Tensor, name: str = "mask", gaps: bool = False) -> None:
+    """`mask` is a bool [B, T] tensor, right-padded; with `gaps`, a multi-turn action mask: False may also sit
+    between True tokens of a row (observation tokens, docs/algorithm.md#multi-turn)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         dtype = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"`{name}` must be a bool tensor, got {dtype}")
     if mask.dim() != 2:
         raise ValueError(f"`{name}` must have shape [B, T], got {tuple(mask.shape)}")
     # Right padding: once a row is False it stays False.
-    if _check_values() and mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+    if not gaps and _check_values() and mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError(f"`{name}` must be right-padded (True on response tokens, then False)")
 
 
@@ -67,7 +69,9 @@ def check_finite_vector(x: torch.Tensor, name: str) -> None:
 def check_segment_ids(segment_ids: torch.Tensor, mask: torch.Tensor, name: str = "segment_ids",
                       num_slots: int | None = None) -> None:
     """Segments of a row are numbered 0, 1, 2, ... left to right, cover every masked token, and
-    padding holds -1; `num_slots`, when given, is the largest number of segments of a row."""
+    padding holds -1; `num_slots`, when given, is the largest number of segments of a row. With gaps in `mask`
+    (observation tokens of a multi-turn row, -1 there too), a segment never spans a gap: the first masked token
+    after a gap starts a new segment."""
     if not isinstance(segment_ids, torch.Tensor) or segment_ids.dtype != torch.long:
         raise ValueError(f"`{name}` must be a long tensor")
     if segment_ids.shape != mask.shape:
@@ -82,8 +86,29 @@ def check_segment_ids(segment_ids: torch.Tensor, mask: torch.Tensor, name: str =
             raise ValueError(f"`num_slots` is {num_slots} but the longest row of `{name}` has {most} segments")
     if mask.shape[1] == 0:
         return
-    # Within a row, ids start at 0 and step by 0 or 1 (padding is already known to be -1).
-    steps = torch.where(mask[:, 1:], segment_ids[:, 1:] - segment_ids[:, :-1], 0)
-    low, high = torch.aminmax(steps) if steps.numel() else (0, 0)
-    if bool((segment_ids[:, 0] > 0).any()) or low < 0 or high > 1:
+    # Each masked token's id minus the last id before it (-1 before the first): 0 or 1 after a masked token,
+    # exactly 1 after a gap or at the row's start (padding and gaps are already known to be -1).
+    before = torch.cat([segment_ids.new_full((mask.shape[0], 1), -1), segment_ids[:, :-1].cummax(dim=1).values], 1)
+    steps = segment_ids - before
+    after_token = torch.cat([mask.new_zeros(mask.shape[0], 1), mask[:, :-1]], dim=1)
+    if bool((mask & ((steps < 0) | (steps > 1))).any()):
         raise ValueError(f"`{name}` must number each row's segments 0, 1, 2, ... contiguously")
+    if bool((mask & ~after_token & (steps != 1)).any()):
+        raise ValueError(f"`{name}` must start a new segment after every gap in `mask` (a segment never spans an "
+                         "observation)")
+
+
+def check_turn_ids(turn_ids: torch.Tensor, mask: torch.Tensor, num_turns: int | None = None) -> None:
+    """`turn_ids` (long [B, T]) numbers the policy turn of each action token (True in `mask`), -1 elsewhere; a row's
+    turns are nondecreasing left to right; with `num_turns` K, every id is < K (a [B, K] per-turn tensor covers
+    them)."""
+    if not isinstance(turn_ids, torch.Tensor) or turn_ids.dtype != torch.long or turn_ids.shape != mask.shape:
+        raise ValueError(f"`turn_ids` must be a long tensor shaped like `mask` {tuple(mask.shape)}")
+    if not _check_values() or not turn_ids.numel():
+        return
+    if bool(((turn_ids >= 0) != mask).any()) or int(turn_ids.min()) < -1:
+        raise ValueError("`turn_ids` must be >= 0 exactly on the action tokens (`mask`) and -1 elsewhere")
+    if num_turns is not None and int(turn_ids.max()) >= num_turns:
+        raise ValueError(f"`turn_ids` has turn {int(turn_ids.max())} but the per-turn tensor has {num_turns} turns")
+    if bool((mask & (turn_ids < turn_ids.cummax(dim=1).values)).any()):
+        raise ValueError("`turn_ids` must be nondecreasing along each row (turns in order)")

@@ -44,21 +44,30 @@ from typing import Literal
 
 import torch
 
-from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids
+from marlhf._checks import check_finite_vector, check_like, check_mask, check_segment_ids, check_turn_ids
 from marlhf.segments import (
     ValueWeighting,
     broadcast_segments,
+    has_gaps,
+    last_positions,
     low_prob_tokens,
     masked_mean,
+    pack_actions,
+    segment_first_token,
+    segment_last_token,
     segment_lengths,
     segment_mean,
     segment_sum,
     segment_values,
+    unpack_actions,
 )
 
 SegmentReward = Literal["sum", "mean", "weighted"]
+Discount = Literal["segment", "token"]  # what gamma discounts in macro_gae: a macro action, or each action token
 LamSchedule = Literal["constant", "length_adaptive"]  # the actor's lambda in PPO (marlhf.estimators.gae.GAEOptions)
 EntropyLevel = Literal["token", "sequence"]  # GTPO or GRPO-S (entropy_weighted)
+GiGPOMode = Literal["mean_norm", "mean_std_norm"]  # the authors' names: minus the group mean, or also / its std
+EpisodeStatistics = Literal["steps", "episodes"]  # GiGPO's episode-level group statistics: over steps or episodes
 
 __all__ = [
     "kl_penalized_rewards",
@@ -74,6 +83,7 @@ __all__ = [
     "low_prob_advantage_mask",
     "entropy_shaped_rewards",
     "entropy_weighted",
+    "gigpo",
     "whiten",
 ]
 
@@ -84,40 +94,63 @@ def kl_penalized_rewards(
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     kl_coef: float,
+    turn_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token rewards: ``-kl_coef * (logprobs - ref_logprobs)`` on every response token (the k1
     KL estimator) plus the sequence score on each row's last real token.
 
+    Multi-turn rows (``mask`` the action mask, with gaps on observations): the KL penalty is on the action tokens
+    only; the score lands on the row's last action token, or, with ``turn_ids``, ``scores`` is [B, K], one reward
+    per turn (the environment's reward for turn k's action), each on the last action token of its turn.
+
     Args:
-        scores: float [B], reward-model (or task) score of each response.
+        scores: float [B], reward-model (or task) score of each response; float [B, K] with ``turn_ids``.
         logprobs, ref_logprobs: float [B, T], policy and reference log-probs of the sampled tokens.
         mask: bool [B, T].
         kl_coef: KL penalty coefficient (>= 0).
+        turn_ids: long [B, T], the turn of each action token, -1 elsewhere (K > the largest), or None.
     Returns:
         rewards: float [B, T], 0 on padding. A row with no response token gets no score.
     """
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     check_like(logprobs, mask, "logprobs")
     check_like(ref_logprobs, mask, "ref_logprobs")
-    check_finite_vector(scores, "scores")
+    if turn_ids is None:
+        check_finite_vector(scores, "scores")
     if scores.shape[0] != mask.shape[0]:
         raise ValueError(f"`scores` has {scores.shape[0]} rows but `mask` has {mask.shape[0]}")
     if not kl_coef >= 0 or kl_coef == float("inf"):  # NaN fails the comparison
         raise ValueError(f"`kl_coef` must be a finite number >= 0, got {kl_coef}")
     rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), torch.zeros_like(logprobs))
-    lengths = mask.sum(dim=1)
-    last = (lengths - 1).clamp(min=0)[:, None]
-    score = torch.where(lengths > 0, scores.to(rewards.dtype), 0.0)[:, None]
+    if turn_ids is not None:
+        return rewards + _turn_rewards_on_tokens(scores, turn_ids, mask).to(rewards.dtype)
+    last = last_positions(mask)[:, None]
+    score = torch.where(mask.any(dim=1), scores.to(rewards.dtype), 0.0)[:, None]
     return rewards.scatter_add(1, last, score)
+
+
+def _turn_rewards_on_tokens(turn_rewards: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, K] turn rewards -> [B, T], each on the last action token of its turn (turn_ids as segment ids)."""
+    if not isinstance(turn_rewards, torch.Tensor) or turn_rewards.dim() != 2 or not turn_rewards.is_floating_point():
+        raise ValueError("with `turn_ids`, `scores` must be a float [B, K] tensor of turn rewards")
+    check_turn_ids(turn_ids, mask, turn_rewards.shape[1])
+    check_finite_vector(turn_rewards.reshape(-1), "scores (turn rewards)")
+    last = segment_last_token(turn_ids)
+    placed = turn_rewards.gather(1, turn_ids.clamp(min=0)) if turn_rewards.shape[1] else turn_rewards.new_zeros(
+        turn_ids.shape)
+    return torch.where(last, placed, 0.0)
 
 
 def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:
     """``y_t = sum_{l >= t} discount^(l - t) x_l`` along the last dim, without a Python loop.
 
-    ``discount``: a float, or a float tensor [B] with one discount per row of ``x`` [B, S]. A reverse
-    cumsum when the discount is the float 1, else a matmul with the [S, S] matrix of discount powers
-    ([B, S, S] for per-row discounts; exact powers, no rescaling that could overflow for long rows).
+    ``discount``: a float, or a float tensor [B] with one discount per row of ``x`` [B, S], or a float tensor
+    [B, S] with one per step, ``y_t = x_t + discount_t y_{t+1}``. A reverse cumsum when the discount is the float
+    1, else a matmul with the [S, S] matrix of discount powers ([B, S, S] for per-row or per-step discounts; exact
+    powers and products, no rescaling that could overflow for long rows).
     """
+    if isinstance(discount, torch.Tensor) and discount.dim() == 2:
+        return (_step_discount_products(discount.to(x.dtype)) @ x[..., None])[..., 0]
     if not isinstance(discount, torch.Tensor):
         if discount == 1.0:
             return x.flip(-1).cumsum(-1).flip(-1)
@@ -135,8 +168,19 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -
     return x @ powers.T
 
 
+def _step_discount_products(discount: torch.Tensor) -> torch.Tensor:
+    """[B, S] per-step discounts d -> [B, S, S] with [b, t, l] = d_t d_{t+1} ... d_{l-1} for l >= t (1 at l = t),
+    0 for l < t: a cumulative product along l of d_{l-1} from t + 1 on."""
+    steps = discount.shape[-1]
+    offsets = torch.arange(steps, device=discount.device)
+    after = offsets[None, :] > offsets[:, None]  # [t, l]: l > t
+    previous = torch.cat([discount.new_ones(discount.shape[0], 1), discount[:, :-1]], dim=1)  # d_{l-1}
+    factors = torch.where(after, previous[:, None, :], torch.ones((), dtype=discount.dtype, device=discount.device))
+    return torch.where(offsets[None, :] >= offsets[:, None], factors.cumprod(dim=-1), 0.0)
+
+
 def _check_gae_args(rewards, values, mask, gamma, lam) -> None:
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     check_like(rewards, mask, "rewards")
     check_like(values, mask, "values")
     if not 0.0 <= gamma <= 1.0:
@@ -175,6 +219,10 @@ def token_gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard token-level GAE.
 
+    With gaps in ``mask`` (a multi-turn action mask), GAE runs over the action tokens only: "the next token" is the
+    next action token, and observation positions are skipped, not zero-reward steps (verl's multi-turn GAE); their
+    rewards and values are ignored. Rows without gaps take the single-turn path unchanged.
+
     Args:
         rewards, values: float [B, T]; mask: bool [B, T].
         lam: a float, or float [B], one lambda per row. The default is the paper's 0.95; PPO passes its own
@@ -183,6 +231,10 @@ def token_gae(
         (advantages, returns): float [B, T], 0 on padding; returns = advantages + values.
     """
     _check_gae_args(rewards, values, mask, gamma, lam)
+    if has_gaps(mask):
+        (packed_rewards, packed_mask), (packed_values, _) = pack_actions(rewards, mask), pack_actions(values, mask)
+        advantages, returns = token_gae(packed_rewards, packed_values, packed_mask, gamma, lam)
+        return unpack_actions(advantages, mask), unpack_actions(returns, mask)
     zeros = torch.zeros_like(values)
     rewards = torch.where(mask, rewards, zeros)
     values = torch.where(mask, values, zeros)
@@ -202,8 +254,14 @@ def macro_gae(
     lam: float | torch.Tensor = 0.95,
     value_weighting: ValueWeighting = "equal",
     segment_reward: SegmentReward = "sum",
+    discount: Discount = "segment",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over macro actions (segments); with one token per segment it equals :func:`token_gae`.
+
+    Multi-turn rows: ``mask`` is the action mask (gaps on observations) and ``segment_ids`` -1 there, a segment
+    never spanning one; the next segment is the next one of the row, after the observation. With the turns as
+    segments (``turn`` termination) and ``value_weighting="first"`` this is Turn-PPO's GAE over turns (each turn
+    valued at its first action token, after the observation; docs/algorithm.md#multi-turn).
 
     Args:
         rewards, values: float [B, T]; mask: bool [B, T]; segment_ids: long [B, T].
@@ -215,6 +273,9 @@ def macro_gae(
             penalty by about 1/|tau|) or "weighted" (the released code in general: the token rewards weighted
             by the value weighting's sigma, as its segment values are; with `equal` it is "mean"; the released
             `position` weights 1/(i+1), earliest token heaviest, which marlhf does not offer: docs/algorithm.md).
+        discount: "segment" (gamma once per macro action, the paper) or "token" (gamma per action token: a macro
+            action of n tokens is discounted by gamma^n and its rewards by gamma^i within it, i = 0..n-1;
+            with "first" it is token GAE under the lambda schedule 1 inside a segment; needs segment_reward "sum").
     Returns:
         (advantages, returns): float [B, T]; every token of segment tau carries A_tau and Q_tau;
         0 on padding.
@@ -223,8 +284,16 @@ def macro_gae(
     check_segment_ids(segment_ids, mask)
     if segment_reward not in ("sum", "mean", "weighted"):
         raise ValueError(f"`segment_reward` must be 'sum', 'mean' or 'weighted', got {segment_reward!r}")
+    if discount not in ("segment", "token"):
+        raise ValueError(f"`discount` must be 'segment' or 'token', got {discount!r}")
+    if discount == "token" and segment_reward != "sum":
+        raise ValueError(f"discount='token' discounts rewards inside a macro action: it needs segment_reward='sum', "
+                         f"got {segment_reward!r}")
     lengths = segment_lengths(segment_ids)  # [B, S]
-    if segment_reward == "sum":
+    if discount == "token":
+        seg_rewards = segment_sum(rewards * _discount_within_segments(segment_ids, gamma, rewards.dtype),
+                                  segment_ids, lengths.shape[1])
+    elif segment_reward == "sum":
         seg_rewards = segment_sum(rewards, segment_ids, lengths.shape[1])
     elif segment_reward == "mean":
         seg_rewards = segment_mean(rewards, segment_ids, lengths)
@@ -232,12 +301,26 @@ def macro_gae(
         seg_rewards = segment_values(rewards, segment_ids, value_weighting, lengths)
     seg_values = segment_values(values, segment_ids, value_weighting, lengths)  # 0 on missing segments
     next_values = torch.cat([seg_values[:, 1:], seg_values.new_zeros(seg_values.shape[0], 1)], dim=1)
-    deltas = seg_rewards + gamma * next_values - seg_values  # 0 on missing segments
-    seg_advantages = discounted_reverse_cumsum(deltas, gamma * lam)
+    if discount == "token":  # per-step discounts gamma^|tau| (1 on missing segments, whose deltas are 0)
+        seg_gamma = torch.tensor(gamma, dtype=seg_values.dtype, device=seg_values.device) ** lengths.to(
+            seg_values.dtype)
+        deltas = seg_rewards + seg_gamma * next_values - seg_values
+        seg_lam = lam[:, None].to(seg_values.dtype) if isinstance(lam, torch.Tensor) else lam
+        seg_advantages = discounted_reverse_cumsum(deltas, seg_gamma * seg_lam)
+    else:
+        deltas = seg_rewards + gamma * next_values - seg_values  # 0 on missing segments
+        seg_advantages = discounted_reverse_cumsum(deltas, gamma * lam)
     advantages = broadcast_segments(seg_advantages, segment_ids)
     returns = broadcast_segments(seg_advantages + seg_values, segment_ids)
     check_like(returns, mask, "returns (rewards and values too large: the sums overflow)")
     return advantages, returns
+
+
+def _discount_within_segments(segment_ids: torch.Tensor, gamma: float, dtype: torch.dtype) -> torch.Tensor:
+    """gamma^i on the i-th token of each segment (i = 0 first), [B, T]; a segment is a run of positions."""
+    positions = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.where(segment_first_token(segment_ids), positions, 0).cummax(dim=1).values
+    return torch.tensor(gamma, dtype=dtype, device=segment_ids.device) ** (positions - starts).to(dtype)
 
 
 def _check_groups(scores: torch.Tensor, group_size: int, minimum: int) -> None:
@@ -521,15 +604,117 @@ def _standardize(x: torch.Tensor, members: torch.Tensor, eps: float) -> torch.Te
     return centered / (std + eps)
 
 
+def gigpo(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    turn_ids: torch.Tensor,
+    turn_state_ids: torch.Tensor,
+    group_size: int,
+    gamma: float = 0.95,
+    step_advantage_w: float = 1.0,
+    mode: GiGPOMode = "mean_norm",
+    episode_statistics: EpisodeStatistics = "steps",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GiGPO (Feng et al., arXiv 2505.10978), as the authors' code computes it (langfengQ/verl-agent,
+    gigpo/core_gigpo.py, ``compute_gigpo_outcome_advantage``), one episode a row.
+
+    Episode i (of a prompt's ``group_size`` consecutive rows) has turns k = 0..n_i-1 (``turn_state_ids`` >= 0), turn
+    rewards r_{i,k} (the rewards summed over turn k's action tokens: the environment's reward, minus the KL penalty
+    when there is one), return R_i = sum_k r_{i,k}, and step returns G_{i,k} = sum_{j >= k} gamma^(j-k) r_{i,j}.
+
+    - Episode level: A^E_i = R_i - mean, or (R_i - mean) / (std + eps) with ``mode="mean_std_norm"``, the mean and
+      (unbiased) std over the group. ``episode_statistics="steps"`` (the code: one row per step, every row carrying
+      its episode's return) takes them over the group's steps, episode i counted n_i times; ``"episodes"`` over its
+      episodes, each once (the paper's Eq. 3). An episode-level group of one has mean 0 and std 1, as in the code.
+    - Step level: the steps of a group's episodes with equal ``turn_state_ids`` (the anchor state: the same
+      environment state before the turn) form a step group; A^S_{i,k} = G_{i,k} - mean, or / (std + eps) likewise,
+      over the step group (a step group of one gets 0).
+    - Every action token of turn k of episode i gets A^E_i + ``step_advantage_w`` A^S_{i,k}.
+
+    The code's defaults differ from the paper's text: ``mode="mean_norm"`` (its config's default: no division; the
+    paper's Eq. 3 and 7 divide by a factor F_norm, the group's std), statistics over steps, and gamma 0.95 (its
+    example runs' ``algorithm.gamma``); ``mode="mean_std_norm"`` and ``episode_statistics="episodes"`` give the
+    paper's. A turn's reward is what its action tokens carry: a turn without action tokens has none.
+
+    Args:
+        rewards: float [B, T]; mask: bool [B, T], the action mask (gaps on observations); turn_ids: long [B, T], the
+            turn of each action token (-1 elsewhere); turn_state_ids: long [B, K], an id of the state before turn k
+            (equal ids: identical states), -1 past the episode's turns; group_size: episodes per prompt.
+    Returns:
+        advantages: float [B, T], 0 off the action tokens.
+    """
+    if episode_statistics not in ("steps", "episodes") or mode not in ("mean_norm", "mean_std_norm"):
+        raise ValueError(f"`episode_statistics` must be 'steps' or 'episodes' and `mode` 'mean_norm' or "
+                         f"'mean_std_norm', got {episode_statistics!r}, {mode!r}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"`gamma` must be in [0, 1], got {gamma}")
+    turn_rewards, turns = _gigpo_turns(rewards, mask, turn_ids, turn_state_ids, group_size)
+    episode_returns = turn_rewards.sum(dim=1)
+    counts = turns.sum(dim=1) if episode_statistics == "steps" else turns.any(dim=1).long()
+    groups = torch.arange(mask.shape[0], device=mask.device) // group_size
+    episode = _group_normalized(episode_returns, groups, counts.to(rewards.dtype), mode == "mean_std_norm", eps,
+                                single_mean_zero=True)
+    step_returns = discounted_reverse_cumsum(turn_rewards, gamma)
+    present = turns.reshape(-1)
+    keys = groups[:, None] * (int(turn_state_ids.max()) + 1 if turn_state_ids.numel() else 1) + turn_state_ids
+    step_groups = torch.unique(keys.reshape(-1)[present], return_inverse=True)[1]
+    step = torch.zeros_like(step_returns).reshape(-1)
+    step[present] = _group_normalized(step_returns.reshape(-1)[present], step_groups,
+                                      torch.ones_like(step_groups, dtype=rewards.dtype), mode == "mean_std_norm", eps,
+                                      single_mean_zero=False)
+    per_turn = episode[:, None] + step_advantage_w * step.view_as(step_returns)
+    placed = per_turn.gather(1, turn_ids.clamp(min=0)) if per_turn.shape[1] else torch.zeros_like(rewards)
+    return torch.where(mask, placed, 0.0)
+
+
+def _gigpo_turns(rewards, mask, turn_ids, turn_state_ids, group_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO's inputs checked: (turn rewards float [B, K], turns bool [B, K]: the episode's turns)."""
+    check_mask(mask, gaps=True)
+    check_like(rewards, mask, "rewards")
+    if not isinstance(turn_state_ids, torch.Tensor) or turn_state_ids.dtype != torch.long or \
+            turn_state_ids.dim() != 2 or turn_state_ids.shape[0] != mask.shape[0]:
+        raise ValueError(f"`turn_state_ids` must be a long [B, K] tensor, B = {mask.shape[0]}")
+    check_turn_ids(turn_ids, mask, turn_state_ids.shape[1])
+    _check_groups(rewards.new_zeros(mask.shape[0]), group_size, minimum=1)
+    turns = turn_state_ids >= 0
+    if bool((turns[:, 1:] & ~turns[:, :-1]).any()) or bool((turn_state_ids < -1).any()):
+        raise ValueError("`turn_state_ids` must be >= 0 on an episode's turns, then -1")
+    acted = segment_sum(torch.ones_like(rewards), turn_ids, turns.shape[1]) > 0
+    if bool((acted & ~turns).any()):
+        raise ValueError("`turn_state_ids` is -1 on a turn that has action tokens (`turn_ids`)")
+    return segment_sum(torch.where(mask, rewards, 0.0), turn_ids, turns.shape[1]), turns
+
+
+def _group_normalized(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor, divide_std: bool, eps: float,
+                      single_mean_zero: bool) -> torch.Tensor:
+    """x minus its group's weighted mean (and / (std + eps), the unbiased std of the group's multiset, x_i counted
+    weights_i times); a group of total weight 1 has mean 0 (single_mean_zero) or its own value, and std 1."""
+    slots = int(groups.max()) + 1 if groups.numel() else 0
+    count = x.new_zeros(slots).scatter_add(0, groups, weights)
+    mean = x.new_zeros(slots).scatter_add(0, groups, weights * x) / count.clamp(min=1)
+    centered = x - mean[groups]
+    var = x.new_zeros(slots).scatter_add(0, groups, weights * centered ** 2) / (count - 1).clamp(min=1)
+    single = (count <= 1)[groups]
+    if single_mean_zero:
+        centered = torch.where(single, x, centered)
+    else:
+        centered = torch.where(single, 0.0, centered)
+    if divide_std:
+        centered = centered / (torch.where(single, 1.0, var[groups].sqrt()) + eps)
+    return centered
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise ``x`` to unit variance over masked positions (and zero mean when ``shift_mean``).
+    """Normalise ``x`` to unit variance over masked positions (and zero mean when ``shift_mean``); a multi-turn
+    action mask (gaps on observations) normalises over the action tokens.
 
     The variance is the biased one (divided by the number of masked positions); verl and TRL divide by
     one fewer, which differs by a factor sqrt(N / (N - 1)) on the result (under 0.1 % past 500 tokens).
 
     Returns float [B, T], 0 on padding.
     """
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     check_like(x, mask, "x")
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)

@@ -9,6 +9,10 @@ segment, weighted by the segment's token count and divided by the number of mask
 one token per segment is token-mean PPO exactly. A token's gradient is then |tau| times the token-level
 one for the same advantage; ``segment_weighting`` offers the two alternatives ("uniform": the paper's
 plain mean over segments; "geometric": GSPO's length-normalised ratio).
+
+Multi-turn rows: ``mask`` is the action mask (gaps on observation tokens, ``segment_ids`` -1 there), so an
+observation token has no ratio, no value target and no weight in any mean; with the turns as segments, the joint
+ratio of a turn's action tokens is clipped once per turn (Turn-PPO's per-turn clipping).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ MAX_LOG_RATIO = 20.0
 def _check_policy_loss_inputs(mask: torch.Tensor, clip: float, tis_cap: float | None,
                               **tensors: torch.Tensor | None) -> None:
     """policy_loss's tensors shaped like the mask, its clip and TIS cap valid, at most one off-policy correction."""
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     for name in ("logprobs", "old_logprobs", "advantages"):
         check_like(tensors[name], mask, name)
     if not clip > 0:
@@ -281,7 +285,7 @@ def value_loss(
     Returns:
         loss, stats with vf_clipfrac.
     """
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     check_like(values, mask, "values")
     check_like(old_values, mask, "old_values")
     check_like(returns, mask, "returns")

@@ -11,6 +11,13 @@ named here beside the other rules).
 
 The segment reductions (``segment_sum``, ``segment_mean``, ``segment_values`` under a value weighting,
 ``masked_mean``) serve both the advantages and the losses.
+
+Multi-turn rows (docs/algorithm.md#multi-turn): the core functions take the *action* mask, which has gaps (False on
+the observation tokens between a row's turns), and ``segment_ids`` -1 there; a segment never spans a gap. The
+reductions, ``segment_first_token``/``segment_last_token`` and ``value_weights`` need nothing more: a segment is a
+run of consecutive positions either way. ``split_by_turns`` cuts any rule's segments at the turns (``turn_ids``);
+``pack_actions``/``unpack_actions`` move a row's action tokens to its left, where a computation over "the next
+token" becomes one over the next action token.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ __all__ = [
     "broadcast_segments",
     "segment_first_token",
     "segment_last_token",
+    "has_gaps",
+    "last_positions",
+    "pack_actions",
+    "unpack_actions",
+    "split_by_turns",
 ]
 
 
@@ -157,7 +169,7 @@ def low_prob_tokens(mask: torch.Tensor, logprobs: torch.Tensor, threshold: float
     Returns:
         bool [B, T], False on padding.
     """
-    check_mask(mask)
+    check_mask(mask, gaps=True)
     check_like(logprobs, mask, "logprobs")
     if not 0.0 <= threshold <= 1.0:  # NaN fails both comparisons
         raise ValueError(f"`threshold` must be in [0, 1], got {threshold}")
@@ -286,19 +298,18 @@ def _continuing_subword_prefix(tokenizer) -> str | None:
 def split_last_token(segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give the last real token of each row a segment of its own (the released code's layout,
     where that token carries the reward-model score). Rows whose last segment already has one
-    token are unchanged.
+    token are unchanged. With gaps in ``mask`` (multi-turn), the last action token of the row.
 
     Args:
         segment_ids: long [B, T]; mask: bool [B, T].
     Returns:
         segment_ids: long [B, T].
     """
-    check_mask(mask)
-    lengths = mask.sum(dim=1)
-    last = (lengths - 1).clamp(min=0)
-    prev = (lengths - 2).clamp(min=0)
+    check_mask(mask, gaps=True)
+    last = last_positions(mask)
+    prev = (last - 1).clamp(min=0)
     last_id = segment_ids.gather(1, last[:, None])
-    shares = (lengths >= 2)[:, None] & (segment_ids.gather(1, prev[:, None]) == last_id)
+    shares = (last >= 1)[:, None] & (segment_ids.gather(1, prev[:, None]) == last_id)
     return segment_ids.scatter(1, last[:, None], last_id + shares.long())
 
 
@@ -451,3 +462,55 @@ def segment_values(
         return segment_mean(values, segment_ids, lengths)
     weights = value_weights(segment_ids, segment_ids >= 0, value_weighting, values.dtype)
     return segment_sum(values * weights, segment_ids, None if lengths is None else lengths.shape[1])
+
+
+# ---- multi-turn rows: gaps in the action mask (docs/algorithm.md#multi-turn)
+def has_gaps(mask: torch.Tensor) -> bool:
+    """Whether some row of ``mask`` has a False between two True tokens (observation tokens of a multi-turn row);
+    reads the device."""
+    seen = mask.long().cummax(dim=1).values.bool()  # True from a row's first True on
+    return bool((seen & ~mask & mask.flip(1).long().cummax(dim=1).values.flip(1).bool()).any())
+
+
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Long [B]: the position of each row's last True token (0 for a row without one). For a right-padded mask
+    it is the row's length - 1."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, 0).amax(dim=1) if mask.shape[1] else mask.new_zeros(mask.shape[0]).long()
+
+
+def pack_actions(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's masked tokens to its left, in order: ``x`` [B, T] -> (packed [B, T], packed_mask [B, T]),
+    right-padded with 0; :func:`unpack_actions` puts them back."""
+    width = mask.shape[1]
+    rank = mask.long().cumsum(dim=1) - 1
+    index = torch.where(mask, rank, width)  # non-masked tokens go to a spare column, dropped
+    packed = x.new_zeros(x.shape[0], width + 1).scatter(1, index, torch.where(mask, x, 0))[:, :width]
+    packed_mask = torch.arange(width, device=mask.device)[None, :] < mask.sum(dim=1, keepdim=True)
+    return packed, packed_mask
+
+
+def unpack_actions(packed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_actions`: packed [B, T] -> [B, T] on the masked tokens of ``mask``, 0 elsewhere."""
+    rank = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    return torch.where(mask, packed.gather(1, rank), 0)
+
+
+def split_by_turns(segment_ids: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Intersect a rule's segments with the policy's turns: a segment starts wherever the rule starts one or a turn
+    starts, and only the action tokens (``turn_ids`` >= 0) keep an id, renumbered 0, 1, ... per row.
+
+    Args:
+        segment_ids: long [B, T], a rule's segments over the row (any ids; a segment may span observations).
+        turn_ids: long [B, T], the turn of each action token, -1 on observations and padding.
+    Returns:
+        segment_ids: long [B, T], -1 off the action tokens; no segment spans two turns or an observation.
+    """
+    if not isinstance(turn_ids, torch.Tensor) or turn_ids.dtype != torch.long or turn_ids.shape != segment_ids.shape:
+        raise ValueError(f"`turn_ids` must be a long tensor shaped like the responses {tuple(segment_ids.shape)}")
+    action = turn_ids >= 0
+    edge = segment_ids.new_full((segment_ids.shape[0], 1), -1)
+    prev_turn = torch.cat([edge, turn_ids[:, :-1]], dim=1)
+    prev_segment = torch.cat([edge, segment_ids[:, :-1]], dim=1)
+    starts = action & ((prev_turn != turn_ids) | (prev_segment != segment_ids))
+    return torch.where(action, starts.long().cumsum(dim=1) - 1, -1)

@@ -122,7 +122,7 @@ def test_registry_rules_and_help():
     for title in ("termination rule fixed (--termination fixed", "advantage estimator gae (--advantage gae",
                   "policy loss ppo (--policy_loss ppo", "rollout engine hf (--rollout_engine hf"):
         assert title in usage, title
-    assert "perplexity; word" in usage  # the rules without options, by name
+    assert "perplexity; turn; word" in usage  # the rules without options, by name
 
 
 

@@ -17,9 +17,10 @@ sequence estimators `rloo`, `grpo`, `reinforce` (`sequence.py`), which give ever
 advantage of its summed reward (score minus the KL penalty, as TRL's RLOO does), and the critic-free per-token
 `prefix_tree` (TEMPO, `prefix_tree.py`: from the sampled tokens, `response_ids`) and `entropy_weighted` (GTPO /
 GRPO-S, `entropy_weighted.py`: from the policy's entropy at each token, `entropy`, which PPO computes for an
-estimator registered with `reads_entropy=True`), on the same summed reward, and the critic-free `mc_segment`
+estimator registered with `reads_entropy=True`), on the same summed reward; the critic-free `mc_segment`
 (VinePPO / SPO-chain, `mc_segment.py`: Monte-Carlo values at macro-action boundaries, from continuations the trainer
-samples, `continue_and_score`). The group statistics (`rloo`, `grpo`, `prefix_tree`) are computed in float64 and
+samples, `continue_and_score`); and `gigpo` (`gigpo.py`: multi-turn episodes, from their turns, `turn_ids`, and
+anchor states, `turn_state_ids`). The group statistics (`rloo`, `grpo`, `prefix_tree`) are computed in float64 and
 returned in the rewards' dtype. Each declares its options once, in the
 dataclass it registers (the built-ins' are also PPOConfig's flat flags: marlhf.plugins). A new one, with options of
 its own, is one file:
@@ -41,6 +42,7 @@ from marlhf.estimators.sequence import GRPOOptions  # noqa: E402
 from marlhf.estimators.prefix_tree import PrefixTreeOptions  # noqa: E402
 from marlhf.estimators.entropy_weighted import EntropyWeightedOptions  # noqa: E402
 from marlhf.estimators.mc_segment import MCSegmentOptions  # noqa: E402
+from marlhf.estimators.gigpo import GiGPOOptions  # noqa: E402
 
 __all__ = ["AdvantageBatch", "Estimate", "REGISTRY", "ESTIMATORS", "register_estimator", "get_estimator", "GAEOptions",
-           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions", "MCSegmentOptions"]
+           "GRPOOptions", "PrefixTreeOptions", "EntropyWeightedOptions", "MCSegmentOptions", "GiGPOOptions"]

@@ -38,7 +38,11 @@ class AdvantageBatch:
     when the caller has none); entropy: float [B, T], the entropy of the sampling policy's distribution at each
     token, from the forward that gives the PPO ratio's denominator (None unless the estimator is registered with
     ``reads_entropy=True``); continue_and_score: Monte-Carlo continuations of response prefixes and their scores
-    (ContinueAndScore; None outside a trainer)."""
+    (ContinueAndScore; None outside a trainer); turn_ids: long [B, T], for multi-turn episodes (one a row; ``mask``
+    is then the action mask, False on observation tokens) the 0-based policy turn of each action token, -1 on
+    observations and padding (None for single-turn rows); turn_state_ids: long [B, K], an id of the environment's
+    state before turn k (equal ids: identical states, GiGPO's anchor states), -1 past an episode's turns (None
+    unless the rows are multi-turn)."""
 
     rewards: torch.Tensor
     values: torch.Tensor | None
@@ -52,6 +56,8 @@ class AdvantageBatch:
     response_ids: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     continue_and_score: ContinueAndScore | None = None
+    turn_ids: torch.Tensor | None = None
+    turn_state_ids: torch.Tensor | None = None
 
 
 Estimate = Callable[[AdvantageBatch], "tuple[torch.Tensor, torch.Tensor | None]"]

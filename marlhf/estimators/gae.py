@@ -1,5 +1,7 @@
 """`gae`: macro GAE over the segments with the critic's values (`ngram=1`: token-level GAE), with the actor's lambda
-constant or length-adaptive (VAPO) and the critic's apart (VC-PPO)."""
+constant or length-adaptive (VAPO) and the critic's apart (VC-PPO). On multi-turn rows it runs over the action tokens
+(observations skipped, as verl does); with the `turn` termination and `value_weighting: first` it is Turn-PPO's GAE
+over turns, gamma per turn (`discount: segment`) or per action token (`discount: token`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import dataclasses
 
 import torch
 
-from marlhf.advantages import LamSchedule, SegmentReward, length_adaptive_lam, macro_gae
+from marlhf.advantages import Discount, LamSchedule, SegmentReward, length_adaptive_lam, macro_gae
 from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, register_estimator
 from marlhf.segments import num_segments
@@ -31,6 +33,15 @@ class GAEOptions:
     segment_reward: SegmentReward = option(
         "sum", "reward of a macro action: sum of its token rewards (paper), their mean (released code with equal "
                "values), or weighted like its value (released code: value_weighting's weights)")
+    discount: Discount = option(
+        "segment", "what gamma discounts: one step per macro action (segment; per turn with the turn termination, "
+                   "Turn-PPO) or each action token (token: gamma^n over a macro action of n action tokens, its "
+                   "rewards discounted inside it; needs segment_reward sum)")
+
+    def __post_init__(self) -> None:
+        if self.discount == "token" and self.segment_reward != "sum":
+            raise ValueError(f"advantage estimator 'gae' option 'discount' token needs segment_reward 'sum', got "
+                             f"{self.segment_reward!r}")
 
 
 @register_estimator("gae", needs_critic=True, options=GAEOptions)
@@ -41,7 +52,7 @@ def gae(batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
     def estimate(lam):
         return macro_gae(batch.rewards, batch.values, batch.mask, batch.segment_ids, o.gamma, lam,
-                         batch.value_weighting, o.segment_reward)
+                         batch.value_weighting, o.segment_reward, o.discount)
 
     actor_lam = (o.lam if o.lam_schedule == "constant"
                  else length_adaptive_lam(num_segments(batch.segment_ids), o.lam_alpha))

@@ -20,9 +20,11 @@ class GRPOOptions:
 
 def per_response(estimate: Callable[[torch.Tensor, AdvantageBatch], torch.Tensor]) -> Estimate:
     """A critic-free estimator from one that maps the summed rewards of all processes' rows [N] to [N]: every
-    token of a response gets its response's advantage."""
+    token of a response gets its response's advantage. A multi-turn episode (``mask`` the action mask) is one
+    response: its outcome is its rewards summed over its action tokens, its advantage on its action tokens."""
     def fn(batch: AdvantageBatch) -> tuple[torch.Tensor, None]:
-        all_advantages = estimate(batch.gather_rows(batch.rewards.sum(dim=1)), batch)
+        totals = torch.where(batch.mask, batch.rewards, 0.0).sum(dim=1)
+        all_advantages = estimate(batch.gather_rows(totals), batch)
         return torch.where(batch.mask, batch.own_rows(all_advantages)[:, None], 0.0), None
 
     return fn

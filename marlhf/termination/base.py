@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from marlhf.plugins import Plugin, Registry
+from marlhf.segments import split_by_turns
 
 __all__ = ["SegmentationBatch", "Rule", "REGISTRY", "TERMINATION_RULES", "register_termination", "get_termination",
            "reads_reference", "segment"]
@@ -26,7 +27,13 @@ class SegmentationBatch:
     gather_rows / own_rows: stack the rows of every process / take this process's rows back, for rules that
     must draw for all processes' rows at once (identity functions in a single process); logprobs: float [B, T],
     the sampling policy's log-probs of the sampled tokens at rollout time (the PPO ratio's denominator; None
-    when the caller has none).
+    when the caller has none); turn_ids: long [B, T], for multi-turn rows (one episode a row: its turns' action
+    tokens and the observations between them), the 0-based policy turn of each action token, -1 on observation
+    tokens and padding (None for single-turn rows).
+
+    Multi-turn rows: ``response_mask`` is True on every real token, actions and observations (right-padded), so
+    every rule runs on them as on one response; :func:`segment` then cuts the rule's segments at every turn start
+    and drops the observation tokens (marlhf.segments.split_by_turns), so no macro action spans two turns.
     """
 
     response_ids: torch.Tensor
@@ -38,6 +45,7 @@ class SegmentationBatch:
     gather_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     own_rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     logprobs: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
 
 
 Rule = Callable[[SegmentationBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"]
@@ -64,12 +72,16 @@ def reads_reference(spec: str) -> bool:
 
 
 def segment(rule: Plugin | str, batch: SegmentationBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run the rule (a plug-in, or its name or dotted path): (segment_ids, stats)."""
+    """Run the rule (a plug-in, or its name or dotted path): (segment_ids, stats). With ``batch.turn_ids``
+    (multi-turn rows), the rule's segments are cut at every turn start and kept on the action tokens only
+    (marlhf.segments.split_by_turns): -1 on observations."""
     rule = get_termination(rule) if isinstance(rule, str) else rule
     out = rule.obj(batch)
     segment_ids, stats = out if isinstance(out, tuple) else (out, {})
     if not isinstance(segment_ids, torch.Tensor) or segment_ids.shape != batch.response_mask.shape:
         raise ValueError(f"termination {rule.name!r} must return segment_ids shaped like the responses "
                          f"{tuple(batch.response_mask.shape)}")
+    if batch.turn_ids is not None:
+        segment_ids = split_by_turns(segment_ids, batch.turn_ids)
     return segment_ids, stats
 
