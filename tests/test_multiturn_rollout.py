@@ -12,7 +12,7 @@ import torch
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import Env
 from marlhf.errors import MarlhfError
-from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, engine_sampler, rollout_episodes,
+from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, EngineSampler, rollout_episodes,
                               turn_seed)
 from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -30,7 +30,7 @@ def _sampler(policy, noise: str = "row_generators", tokenizer=TOKENIZER, **sampl
     engine.sync_weights(policy)
     settings = dict(temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
-    return engine_sampler(engine, **{**settings, **sampling})
+    return EngineSampler(engine, **{**settings, **sampling})
 
 
 class Script(Env):
@@ -123,6 +123,46 @@ def test_a_batched_rollout_equals_the_episodes_run_one_at_a_time(policy, noise):
         for name in ("num_turns", "terminated", "truncated"):
             assert getattr(batched, name)[b].tolist() == getattr(alone, name)[0].tolist()
         assert batched.turn_rewards[b, :tasks[b]].tolist() == alone.turn_rewards[0].tolist()
+
+
+class Ragged(Script):
+    """Script with replies of 0-3 words (so with no separator some replies are empty)."""
+
+    def reset(self, seed, task=None):
+        self.seed = seed
+        return super().reset(seed, task)
+
+    def step(self, action_text):
+        reply, *rest = super().step(action_text)
+        return " ".join(["ab"] * ((self.seed + len(self.sent)) % 4)), *rest
+
+
+@pytest.mark.parametrize("separator", ["\n", ""])
+def test_continuing_the_kv_cache_samples_what_reading_the_whole_context_samples(policy, separator):
+    """The hf engine continues each round's KV cache (rows with holes: actions cut at the episode's budget, replies
+    of different lengths); a plain generate function reads every context again. Same tokens."""
+    sampler, cached_columns = _sampler(policy), []
+
+    class Recording:  # the sampler, recording how many columns each call found in its cache
+        new_cache = sampler.new_cache
+
+        def __call__(self, ids, mask, seeds, n, cache=None):
+            cached_columns.append(cache.get_seq_length() if cache is not None else None)
+            return sampler(ids, mask, seeds, n, cache)
+
+    runs = {}
+    for name, generate in (("continued", Recording()), ("plain", lambda ids, mask, seeds, n: sampler(ids, mask, seeds, n))):
+        options = MultiTurnOptions(max_turn_tokens=6, max_response_tokens=34, observation_separator=separator)
+        runs[name] = rollout_episodes([Ragged() for _ in range(5)], generate, TOKENIZER, seeds=[0, 1, 2, 3, 9],
+                                      tasks=[4, 2, 5, 3, 4], options=options, max_length=model_positions(policy))
+    continued, plain = runs["continued"], runs["plain"]
+    assert torch.equal(continued.response_ids, plain.response_ids)
+    assert torch.equal(continued.action_mask, plain.action_mask) and torch.equal(continued.num_turns, plain.num_turns)
+    torch.testing.assert_close(continued.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+    assert continued.truncated.any() and (continued.response_mask & ~continued.action_mask).any()
+    assert continued.metrics["env/generate_calls"] == plain.metrics["env/generate_calls"] == continued.num_turns.max()
+    assert cached_columns[0] == 0 and all(columns is not None for columns in cached_columns)
+    assert all(columns > 0 for columns in cached_columns[1:]), cached_columns  # every later call continued
 
 
 def test_a_one_turn_episode_samples_what_a_single_turn_rollout_of_its_seed_samples(policy):
