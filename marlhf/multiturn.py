@@ -10,8 +10,10 @@ observation is encoded alone (`ObservationEncoder`: the chat template's delta fo
 has a template, the text between plain separators otherwise). Turn k of an episode with seed s is sampled with the
 row seed `turn_seed(s, k)` (s itself for turn 0), and engines draw each row from its own seed (marlhf.engines), so
 an episode's tokens do not depend on the other episodes of the batch: a batched run equals the episodes run one at a
-time. The engine is only called through `generate`, so any engine works; the hf engine re-reads each episode's
-context every round (no KV cache kept across turns), vLLM's prefix cache would keep it.
+time. The engine is only called through a sampler (`EngineSampler`), so any engine works, re-reading each episode's
+context every round; a sampler whose engine offers `new_cache()` (the hf engine) continues one KV cache from round
+to round instead (`_Layout`: rows keep their columns, with holes masked out), so a turn computes only its new
+tokens.
 
 The layout is docs/multiturn.md's: the prompt (the first observation) left-padded `[B, P]`; a response region
 `[B, T]` of action tokens, observation tokens between turns, right padding; `action_mask` True on sampled tokens
@@ -51,6 +53,8 @@ __all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Genera
            "rollout_episodes", "turn_seed"]
 
 EnvErrors = Literal["truncate", "raise"]
+# sampler(ids, mask, row_seeds, max_new_tokens) -> Generation with log-probs; one with `new_cache()` is also called
+# with `cache=` (EngineSampler)
 Generate = Callable[[torch.Tensor, torch.Tensor, list[int], int], Generation]
 
 

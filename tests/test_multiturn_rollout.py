@@ -92,7 +92,8 @@ def test_the_row_layout_follows_the_contract(policy):
         assert rewards[last_tokens].tolist() == [k + 0.5 for k in range(tasks[b])]
         assert rollout.turn_rewards[b].tolist() == [k + 0.5 if k < tasks[b] else 0.0 for k in range(4)]
     assert (rollout.response_ids[~rollout.response_mask] == TOKENIZER.pad_token_id).all()
-    assert (rollout.turn_ids[~rollout.action_mask] == -1).all() and not (rollout.action_mask & ~rollout.response_mask).any()
+    assert (rollout.turn_ids[~rollout.action_mask] == -1).all()
+    assert not (rollout.action_mask & ~rollout.response_mask).any()
     assert rollout.metrics["env/action_tokens"] == rollout.action_mask.sum().item()
     assert rollout.metrics["env/observation_tokens"] == (rollout.response_mask & ~rollout.action_mask).sum().item()
 
@@ -151,7 +152,10 @@ def test_continuing_the_kv_cache_samples_what_reading_the_whole_context_samples(
             return sampler(ids, mask, seeds, n, cache)
 
     runs = {}
-    for name, generate in (("continued", Recording()), ("plain", lambda ids, mask, seeds, n: sampler(ids, mask, seeds, n))):
+    def plain(ids, mask, seeds, n):  # no new_cache: every call reads the whole contexts
+        return sampler(ids, mask, seeds, n)
+
+    for name, generate in (("continued", Recording()), ("plain", plain)):
         options = MultiTurnOptions(max_turn_tokens=6, max_response_tokens=34, observation_separator=separator)
         runs[name] = rollout_episodes([Ragged() for _ in range(5)], generate, TOKENIZER, seeds=[0, 1, 2, 3, 9],
                                       tasks=[4, 2, 5, 3, 4], options=options, max_length=model_positions(policy))
@@ -214,7 +218,8 @@ def test_observation_encoding_with_a_chat_template():
         ObservationEncoder(tokenizer).reply("x")
     plain = ObservationEncoder(TOKENIZER, separator="\n")
     assert TOKENIZER.decode(plain.reply("the door opens")) == "\nthe door opens\n"
-    assert TOKENIZER.decode(plain.reply([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])) == "\na\nb\n"
+    messages = [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]
+    assert TOKENIZER.decode(plain.reply(messages)) == "\na\nb\n"
 
 
 class Faulty(Script):
@@ -256,7 +261,8 @@ def test_a_step_that_raises_or_hangs_ends_its_episode_truncated_or_stops_the_run
 @pytest.mark.parametrize("fault,message", [
     ("non_string", r"^environment 'Faulty' at turn 1 of episode 1: the observation is a int, not text"),
     ("nan_reward", r"^environment 'Faulty' at turn 1 of episode 1: the reward nan is not a finite number$"),
-    ("four_values", r"^environment 'Faulty' at turn 1 of episode 1: step returned tuple \('ok', 0.0, False, \{\}\), not \(observation"),
+    ("four_values",
+     r"^environment 'Faulty' at turn 1 of episode 1: step returned tuple \('ok', 0.0, False, \{\}\), not \(observ"),
 ])
 def test_an_environment_that_breaks_the_protocol_stops_the_run_in_one_line(policy, monkeypatch, fault, message):
     monkeypatch.setattr(Faulty, "FAULT", fault)
@@ -270,7 +276,8 @@ def test_a_reset_that_raises_or_a_prompt_that_leaves_no_room_stops_the_run(polic
         def reset(self, seed, task=None):
             raise OSError("server down")
 
-    with pytest.raises(MarlhfError, match=r"^environment 'BadReset' at turn 0 of episode 0: reset raised OSError: server down$"):
+    with pytest.raises(MarlhfError,
+                       match=r"^environment 'BadReset' at turn 0 of episode 0: reset raised OSError: server down$"):
         _run(policy, [2], [0], env=BadReset)
     with pytest.raises(MarlhfError, match="leaves no room in max_length 5"):
         rollout_episodes([Script()], _sampler(policy), TOKENIZER, seeds=[0], max_length=5)
