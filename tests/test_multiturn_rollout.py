@@ -222,6 +222,23 @@ def test_observation_encoding_with_a_chat_template():
     assert TOKENIZER.decode(plain.reply(messages)) == "\na\nb\n"
 
 
+def test_a_rollout_with_a_chat_template_encodes_each_reply_as_the_templates_delta(policy):
+    tokenizer = copy.deepcopy(TOKENIZER)
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    encoder = ObservationEncoder(tokenizer)
+    envs = [Script(), Script()]
+    rollout = rollout_episodes(envs, _sampler(policy, tokenizer=tokenizer), tokenizer, seeds=[4, 5], tasks=[3, 2],
+                               options=MultiTurnOptions(max_turn_tokens=5), max_length=model_positions(policy))
+    for b, env in enumerate(envs):
+        assert rollout.prompt_ids[b, rollout.prompt_mask[b]].tolist() == encoder.first(
+            f"Human: start {(4 + b) % 3}\n\nAssistant:")
+        observed = rollout.response_ids[b, rollout.response_mask[b] & ~rollout.action_mask[b]].tolist()
+        replies = [encoder.reply(f"seen {k + 1} {len(sent) % 3}") for k, sent in enumerate(env.sent[:-1])]
+        assert observed == [token for reply in replies for token in reply]
+        assert tokenizer.decode(replies[0]).startswith("<s>user: seen 1")
+
+
 class Faulty(Script):
     """Script, with a fault at turn 1 of the episode whose task is negative (the fault named by `FAULT`)."""
 
