@@ -98,6 +98,32 @@ def test_the_row_layout_follows_the_contract(policy):
     assert rollout.metrics["env/observation_tokens"] == (rollout.response_mask & ~rollout.action_mask).sum().item()
 
 
+def test_actions_are_the_sampled_ids_never_the_retokenized_text(policy):
+    sampler, sampled = _sampler(policy), []
+
+    class Recording:  # the sampler, keeping each call's sampled ids by episode seed and turn
+        new_cache = sampler.new_cache
+
+        def __call__(self, ids, mask, seeds, n, cache=None):
+            generation = sampler(ids, mask, seeds, n, cache)
+            sampled.extend(zip(seeds, generation.response_ids[:, :6].tolist(), generation.response_mask.tolist()))
+            return generation
+
+    tasks, seeds = [3, 2, 3, 1, 3, 2], [30, 31, 32, 33, 34, 35]
+    rollout = rollout_episodes([Script() for _ in tasks], Recording(), TOKENIZER, seeds=seeds, tasks=tasks,
+                               options=MultiTurnOptions(max_turn_tokens=6), max_length=model_positions(policy))
+    by_seed = {seed: [token for token, real in zip(ids, mask) if real] for seed, ids, mask in sampled}
+    retokenized_differs = False
+    for b, seed in enumerate(seeds):
+        ids, _, turns, _ = _row(rollout, b)
+        for k in range(tasks[b]):
+            action = [token for token, turn in zip(ids, turns) if turn == k]
+            assert action == by_seed[turn_seed(seed, k)][:6]
+            text = TOKENIZER.decode(action, skip_special_tokens=True)
+            retokenized_differs |= TOKENIZER(text, add_special_tokens=False)["input_ids"] != action
+    assert retokenized_differs  # re-tokenizing the transcript would have changed some actions' ids
+
+
 def test_turn_state_ids_are_equal_exactly_for_equal_observations(policy):
     rollout, _ = _run(policy, [3] * 6, list(range(6)))
     for b in range(6):
