@@ -25,12 +25,13 @@ import typing
 import warnings
 
 from marlhf.demo.command import DEMO
+from marlhf.envs.command import ENVS_COMMAND
 from marlhf.serve_command import VLLM_SERVE
 from marlhf.errors import USAGE_EXIT, Interrupted, MissingPackage, OutOfMemory, did_you_mean, one_line
 from marlhf.evaluation.commands import TOOLS
 
 # the file-based tools, the embedded demo and the rollout server
-TOOLS = {**TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE}
+TOOLS = {**TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE, "envs": ENVS_COMMAND}
 
 # command -> (module, config class, train function, one-line description)
 COMMANDS = {
