@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import random
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,12 +114,19 @@ def _nltk_missing(resources: set[str]) -> list[str]:
     return sorted(name for name in resources if not present(name))
 
 
+def _parse(text: str) -> ast.Module:
+    """The source's tree, without the warnings of its invalid escape sequences (the library's, not the user's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+        return ast.parse(text)
+
+
 def _imported(texts: Any) -> set[str]:
     """The top-level packages the sources import (absolute imports; a source that does not parse is skipped)."""
     names = set()
     for text in texts:
         try:
-            tree = ast.parse(text)
+            tree = _parse(text)
         except SyntaxError:
             continue
         for node in ast.walk(tree):
@@ -140,7 +148,7 @@ def problems(game_id: str) -> tuple[str, ...]:
     sources = _sources(entry.split(":")[0])
     for path, text in sources:
         try:
-            ast.parse(text)
+            _parse(text)
         except SyntaxError as error:
             found.append(f"its module does not parse on this Python ({Path(path).name}, line {error.lineno}: "
                          f"{error.msg})")
