@@ -52,10 +52,7 @@ class ReasoningGymOptions:
 
 def available() -> list[str]:
     """The names of the installed library's tasks."""
-    from reasoning_gym.factory import DATASETS
-
-    require("reasoning_gym")
-    return sorted(DATASETS)
+    return sorted(require("reasoning_gym").factory.DATASETS)
 
 
 @functools.lru_cache(maxsize=32)
