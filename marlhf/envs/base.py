@@ -80,11 +80,14 @@ def _recording_step(step: Callable[..., Any]) -> Callable[..., Any]:
     def recorded(self: Env, action_text: str) -> Any:
         if self._history is None:
             raise RuntimeError(f"{type(self).__name__}.step was called before reset")
-        actions = self._history[2]
-        taken = len(actions)
-        result = step(self, action_text)
-        if len(actions) == taken:  # a subclass's step calling its parent's records the action once
-            actions.append(action_text)
+        if self.__dict__.get("_stepping"):  # a subclass's step calling its parent's: the outer call records
+            return step(self, action_text)
+        self._stepping = True
+        try:
+            result = step(self, action_text)
+        finally:
+            self._stepping = False
+        self._history[2].append(action_text)
         return result
 
     return recorded

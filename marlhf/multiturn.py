@@ -1,0 +1,443 @@
+"""Multi-turn rollouts: episodes of environments (marlhf.envs) against a rollout engine, one row per episode.
+
+    rollout = rollout_episodes(envs, engine_sampler(engine, temperature=1.0, ...), tokenizer, seeds=[...],
+                               tasks=[...], options=MultiTurnOptions(max_turns=4), max_length=positions)
+
+Each round generates the next turn of every live episode in one batched `generate` call (episodes at different
+turns together), steps each episode's environment with its action's text, and appends the environment's reply as
+observation tokens. The policy's sampled token ids are kept exactly (the transcript is never re-tokenized); an
+observation is encoded alone (`ObservationEncoder`: the chat template's delta for the new message when the tokenizer
+has a template, the text between plain separators otherwise). Turn k of an episode with seed s is sampled with the
+row seed `turn_seed(s, k)` (s itself for turn 0), and engines draw each row from its own seed (marlhf.engines), so
+an episode's tokens do not depend on the other episodes of the batch: a batched run equals the episodes run one at a
+time. The engine is only called through `generate`, so any engine works; the hf engine re-reads each episode's
+context every round (no KV cache kept across turns), vLLM's prefix cache would keep it.
+
+The layout is docs/multiturn.md's: the prompt (the first observation) left-padded `[B, P]`; a response region
+`[B, T]` of action tokens, observation tokens between turns, right padding; `action_mask` True on sampled tokens
+only; `turn_ids` the turn of each action token (-1 elsewhere); each turn's reward on its last action token.
+
+Limits and faults (docs/multiturn.md#faults): `max_turns` policy turns, `max_turn_tokens` per turn,
+`max_response_tokens` per episode and `max_length` positions (prompt + response); a turn cut by the episode's
+budget, or an observation that leaves no room for another action token, ends the episode truncated
+(`env/context_overflow`); a step that raises or outlasts `step_timeout` ends it truncated
+(`env/errors`, `env/timeouts`) or, with `env_errors="raise"`, stops the run; a reset that raises, an observation
+that is neither text nor messages, a reward that is not a finite number, or a step that does not return five
+values always stops the run, in one line naming the environment, the episode and the turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from marlhf.config import check_bounds, option
+from marlhf.data.encoding import pad_sequences
+from marlhf.engines.base import Generation, RolloutEngine
+from marlhf.envs.base import Observation, check_observation
+from marlhf.errors import MarlhfError
+
+__all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Generate", "engine_sampler",
+           "rollout_episodes", "turn_seed"]
+
+EnvErrors = Literal["truncate", "raise"]
+Generate = Callable[[torch.Tensor, torch.Tensor, list[int], int], Generation]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnOptions:
+    """The limits of a multi-turn rollout and what a failing environment does (docs/multiturn.md)."""
+
+    max_turns: int = option(4, "most policy turns of an episode; one that reaches it ends truncated", ge=1)
+    max_turn_tokens: int = option(64, "most tokens the policy writes in one turn (the turn ends there)", ge=1)
+    max_response_tokens: int = option(
+        512, "most tokens of an episode after its prompt (actions and observations); past it the episode is "
+             "truncated", ge=1)
+    step_timeout: float | None = option(
+        None, "seconds one step may take (None: no limit); a step past it ends its episode as env_errors says",
+        gt=0)
+    env_errors: EnvErrors = option(
+        "truncate", "a step that raises or times out: end that episode truncated (counted in env/errors, "
+                    "env/timeouts) or stop the run")
+    observation_separator: str = option(
+        "\n", "without a chat template: the text put before and after each observation")
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check_bounds(f"multi-turn option {field.name!r}", getattr(self, field.name),
+                         field.metadata.get("bounds", {}))
+        if self.env_errors not in ("truncate", "raise"):
+            raise ValueError(f"multi-turn option 'env_errors' must be 'truncate' or 'raise', got {self.env_errors!r}")
+
+
+@dataclasses.dataclass
+class MultiTurnRollout:
+    """B episodes, one row each (docs/multiturn.md's layout; P prompt columns, T response columns, K = the most
+    turns of an episode).
+
+    prompt_ids: long [B, P] left-padded, the first observations; prompt_mask: bool [B, P]
+    response_ids: long [B, T] right-padded with the pad id: actions and observations
+    response_mask: bool [B, T], True on every real token (what a forward attends to)
+    action_mask: bool [B, T], True exactly on the tokens the policy sampled
+    turn_ids: long [B, T], the turn of each action token, -1 on observations and padding
+    logprobs: float [B, T], the sampling log-probs of the action tokens (the engine's), 0 elsewhere
+    rewards: float [B, T], turn k's reward on turn k's last action token, 0 elsewhere
+    turn_rewards: float [B, K], 0 past an episode's turns
+    turn_state_ids: long [B, K], the id of the observation the policy saw at the start of each turn (equal ids:
+        equal observations, among this batch's episodes), -1 past an episode's turns; `states[id]` is its text
+    num_turns: long [B]; terminated, truncated: bool [B] (the environment's flags, or truncated by a limit or fault)
+    metrics: {"env/<name>": number}, the rollout's counts and times (docs/multiturn.md#metrics)
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    action_mask: torch.Tensor
+    turn_ids: torch.Tensor
+    logprobs: torch.Tensor
+    rewards: torch.Tensor
+    turn_rewards: torch.Tensor
+    turn_state_ids: torch.Tensor
+    num_turns: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    states: list[str]
+    metrics: dict[str, float]
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The row seed of an episode's turn: the episode's seed for turn 0 (so a one-turn episode samples as a
+    single-turn rollout of that seed), a 32-bit mix of (seed, turn) after."""
+    if turn == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])
+
+
+def engine_sampler(engine: RolloutEngine, *, temperature: float, top_k: int, top_p: float,
+                   eos_token_id: int | Sequence[int], pad_token_id: int) -> Generate:
+    """`generate(ids, mask, row_seeds, max_new_tokens) -> Generation` on `engine` with these sampling settings and
+    the sampled tokens' log-probs (what `rollout_episodes` calls)."""
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int], max_new_tokens: int) -> Generation:
+        return engine.generate(ids, mask, row_seeds=row_seeds, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id, return_logprobs=True)
+
+    return generate
+
+
+class ObservationEncoder:
+    """Token ids of observations, each encoded alone. With a chat template (`tokenizer.chat_template`): the first
+    observation is the conversation so far with the generation prompt, a later one the text the template adds for
+    the new messages after an assistant turn, with the next generation prompt (a text observation is one user
+    message). Without one: the first observation's text with the tokenizer's special tokens, a later one the text
+    between `separator`s, without them. Messages without a template are their contents joined by `separator`."""
+
+    _BEFORE = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+    def __init__(self, tokenizer: Any, separator: str = "\n") -> None:
+        self.tokenizer = tokenizer
+        self.separator = separator
+        self.chat = getattr(tokenizer, "chat_template", None) is not None
+
+    def _messages(self, observation: Observation) -> list[dict[str, str]]:
+        return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+
+    def first(self, observation: Observation) -> list[int]:
+        if self.chat:
+            text = self.tokenizer.apply_chat_template(self._messages(observation), tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._text(observation))["input_ids"]
+
+    def reply(self, observation: Observation) -> list[int]:
+        if not self.chat:
+            text = self.separator + self._text(observation) + self.separator
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        before = self.tokenizer.apply_chat_template(self._BEFORE, tokenize=False)
+        after = self.tokenizer.apply_chat_template(self._BEFORE + self._messages(observation), tokenize=False,
+                                                   add_generation_prompt=True)
+        if not after.startswith(before):
+            raise MarlhfError("the tokenizer's chat template renders a conversation's start differently once a "
+                              "message follows, so a new message cannot be encoded alone: use a template that "
+                              "only appends")
+        return self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+
+    def _text(self, observation: Observation) -> str:
+        return observation if isinstance(observation, str) else self.separator.join(
+            message["content"] for message in observation)
+
+
+def state_key(observation: Observation) -> str:
+    """The text that identifies an observation as a state (its messages as JSON)."""
+    return observation if isinstance(observation, str) else json.dumps(list(observation), sort_keys=True)
+
+
+@dataclasses.dataclass
+class _Episode:
+    """One episode while it runs: its row's tokens so far, as host lists."""
+
+    index: int
+    env: Any
+    seed: int
+    prompt: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    turn_of: list[int] = dataclasses.field(default_factory=list)  # each token's turn, -1 on observations
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    states: list[str] = dataclasses.field(default_factory=list)  # the observation before each turn
+    done: bool = False
+    terminated: bool = False
+    truncated: bool = False
+
+    @property
+    def turn(self) -> int:
+        """The turn the policy writes next (the number of turns stepped)."""
+        return len(self.turn_rewards)
+
+
+class _StepFault(Exception):
+    """A step that raised or timed out; `kind` is the metric it counts in (errors, timeouts)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _call_step(env: Any, action_text: str, timeout: float | None) -> Any:
+    """`env.step(action_text)`, in a daemon thread when there is a time limit (a step past it is abandoned there,
+    never called again); a _StepFault when it raises or outlasts `timeout`."""
+    if timeout is None:
+        try:
+            return env.step(action_text)
+        except Exception as error:
+            raise _StepFault("errors", f"{type(error).__name__}: {error}") from None
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = env.step(action_text)
+        except Exception as error:
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True, name="marlhf-env-step")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _StepFault("timeouts", f"took more than {timeout:g} s")
+    if "result" not in box:
+        error = box.get("error")
+        raise _StepFault("errors", f"{type(error).__name__}: {error}" if error else "its thread died")
+    return box["result"]
+
+
+def _fitting_groups(contexts: list[int], caps: list[int], max_length: int | None) -> list[list[int]]:
+    """Indices into the live episodes, in groups that one `generate` call may take: the group's longest context
+    plus its largest cap (its call's max_new_tokens) within `max_length` positions. Longest contexts first."""
+    order = sorted(range(len(contexts)), key=lambda i: (-contexts[i], i))
+    if max_length is None:
+        return [order]
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and contexts[groups[-1][0]] + max(caps[i], max(caps[j] for j in groups[-1])) <= max_length:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class _Runner:
+    """The rounds of one `rollout_episodes` call (its arguments, its episodes, its metrics)."""
+
+    def __init__(self, generate: Generate, tokenizer: Any, options: MultiTurnOptions, max_length: int | None,
+                 env_name: str | None, device: torch.device | str) -> None:
+        self.generate, self.tokenizer, self.options, self.max_length = generate, tokenizer, options, max_length
+        self.env_name, self.device = env_name, device
+        self.encoder = ObservationEncoder(tokenizer, options.observation_separator)
+        self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+
+    def where(self, episode: _Episode) -> str:
+        name = self.env_name or type(episode.env).__name__
+        return f"environment {name!r} at turn {episode.turn} of episode {episode.index}"
+
+    def room(self, episode: _Episode) -> int:
+        """The tokens the episode may still add: within max_response_tokens and max_length positions."""
+        room = self.options.max_response_tokens - len(episode.tokens)
+        if self.max_length is not None:
+            room = min(room, self.max_length - len(episode.prompt) - len(episode.tokens))
+        return room
+
+    def start(self, index: int, env: Any, seed: int, task: Any) -> _Episode:
+        episode = _Episode(index, env, int(seed), [])
+        try:
+            observation, _ = env.reset(int(seed), task)
+        except Exception as error:
+            raise MarlhfError(f"{self.where(episode)}: reset raised {type(error).__name__}: {error}") from None
+        self.check(episode, observation)
+        episode.prompt = self.encoder.first(observation)
+        episode.states.append(state_key(observation))
+        if self.room(episode) < 1:
+            raise MarlhfError(f"{self.where(episode)}: the first observation has {len(episode.prompt)} tokens, "
+                              f"which leaves no room in max_length {self.max_length}: shorten it or raise max_length")
+        return episode
+
+    def check(self, episode: _Episode, observation: Any) -> None:
+        problem = check_observation(observation)
+        if problem is not None:
+            raise MarlhfError(f"{self.where(episode)}: the observation is {problem}, not text or a list of "
+                              "{'role', 'content'} messages")
+
+    def act(self, live: list[_Episode]) -> list[str]:
+        """One round's generation: the next turn of every live episode, in as few `generate` calls as fit the
+        positions; each action appended to its row. Returns the actions' texts, in the order of `live`."""
+        caps = [min(self.options.max_turn_tokens, self.room(episode)) for episode in live]
+        contexts = [len(episode.prompt) + len(episode.tokens) for episode in live]
+        texts = [""] * len(live)
+        for group in _fitting_groups(contexts, caps, self.max_length):
+            ids, mask = pad_sequences([live[i].prompt + live[i].tokens for i in group],
+                                      self.tokenizer.pad_token_id, "left")
+            seeds = [turn_seed(live[i].seed, live[i].turn) for i in group]
+            started = time.perf_counter()
+            generation = self.generate(ids.to(self.device), mask.bool().to(self.device), seeds,
+                                       max(caps[i] for i in group))
+            self.seconds["generate"] += time.perf_counter() - started
+            self.counts["generate_calls"] += 1
+            if generation.logprobs is None:
+                raise ValueError("the multi-turn rollout needs the sampled tokens' log-probs: generate with "
+                                 "return_logprobs=True (engine_sampler does)")
+            lengths = generation.response_mask.sum(1).tolist()
+            for row, i in enumerate(group):
+                length = min(int(lengths[row]), caps[i])
+                action = generation.response_ids[row, :length].tolist()
+                live[i].tokens += action
+                live[i].turn_of += [live[i].turn] * length
+                live[i].logprobs += generation.logprobs[row, :length].float().tolist()
+                texts[i] = self.tokenizer.decode(action, skip_special_tokens=True)
+        return texts
+
+    def step(self, episode: _Episode, action_text: str) -> None:
+        """Step the episode's environment with its turn's action, credit the reward, and end the episode or append
+        the reply (module docstring: limits and faults)."""
+        started = time.perf_counter()
+        try:
+            result = _call_step(episode.env, action_text, self.options.step_timeout)
+        except _StepFault as fault:
+            self.seconds["step"] += time.perf_counter() - started
+            if self.options.env_errors == "raise":
+                raise MarlhfError(f"{self.where(episode)}: step failed: {fault} (env_errors: truncate ends "
+                                  "such an episode instead)") from None
+            self.counts[fault.kind] += 1
+            episode.turn_rewards.append(0.0)
+            self.end(episode, truncated=True)
+            return
+        self.seconds["step"] += time.perf_counter() - started
+        observation, reward, terminated, truncated = self.checked(episode, result)
+        episode.turn_rewards.append(reward)
+        if terminated or truncated:
+            self.end(episode, truncated=truncated, terminated=terminated)
+        elif episode.turn >= self.options.max_turns:
+            self.counts["turn_limit"] += 1
+            self.end(episode, truncated=True)
+        else:
+            reply = self.encoder.reply(observation)
+            if self.room(episode) - len(reply) < 1:
+                self.counts["context_overflow"] += 1
+                self.end(episode, truncated=True)
+                return
+            episode.tokens += reply
+            episode.turn_of += [-1] * len(reply)
+            episode.logprobs += [0.0] * len(reply)
+            episode.states.append(state_key(observation))
+
+    def checked(self, episode: _Episode, result: Any) -> tuple[Observation, float, bool, bool]:
+        """(observation, reward, terminated, truncated) of a step's result, or a MarlhfError naming the fault."""
+        if not isinstance(result, tuple) or len(result) != 5:
+            raise MarlhfError(f"{self.where(episode)}: step returned {type(result).__name__} {result!r:.40}, not "
+                              "(observation, reward, terminated, truncated, info)")
+        observation, reward, terminated, truncated, _ = result
+        self.check(episode, observation)
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise MarlhfError(f"{self.where(episode)}: the reward {reward!r:.40} is not a finite number")
+        return observation, float(reward), bool(terminated), bool(truncated)
+
+    def end(self, episode: _Episode, *, truncated: bool, terminated: bool = False) -> None:
+        episode.done, episode.terminated, episode.truncated = True, terminated, truncated and not terminated
+
+    def batch(self, episodes: list[_Episode]) -> MultiTurnRollout:
+        """The episodes as one MultiTurnRollout (the layout of docs/multiturn.md)."""
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = pad_sequences([e.prompt for e in episodes], pad, "left")
+        response_ids, response_mask = pad_sequences([e.tokens for e in episodes], pad, "right")
+        turn_ids, _ = pad_sequences([e.turn_of for e in episodes], -1, "right")
+        logprobs = torch.zeros(response_ids.shape)
+        rewards = torch.zeros(response_ids.shape)
+        most_turns = max(e.turn for e in episodes)
+        turn_rewards = torch.zeros(len(episodes), most_turns)
+        turn_state_ids = torch.full((len(episodes), most_turns), -1, dtype=torch.long)
+        state_ids: dict[str, int] = {}
+        for row, episode in enumerate(episodes):
+            logprobs[row, :len(episode.logprobs)] = torch.tensor(episode.logprobs)
+            last_tokens = {turn: position for position, turn in enumerate(episode.turn_of) if turn >= 0}
+            for turn, reward in enumerate(episode.turn_rewards):
+                rewards[row, last_tokens[turn]] = reward
+                turn_rewards[row, turn] = reward
+            for turn, state in enumerate(episode.states[:episode.turn]):
+                turn_state_ids[row, turn] = state_ids.setdefault(state, len(state_ids))
+        rollout = MultiTurnRollout(
+            prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool(), turn_ids >= 0, turn_ids, logprobs,
+            rewards, turn_rewards, turn_state_ids, torch.tensor([e.turn for e in episodes]),
+            torch.tensor([e.terminated for e in episodes]), torch.tensor([e.truncated for e in episodes]),
+            list(state_ids), self.metrics(episodes))
+        return dataclasses.replace(rollout, **{field.name: getattr(rollout, field.name).to(self.device)
+                                               for field in dataclasses.fields(rollout)
+                                               if isinstance(getattr(rollout, field.name), torch.Tensor)})
+
+    def metrics(self, episodes: list[_Episode]) -> dict[str, float]:
+        actions = sum(turn >= 0 for e in episodes for turn in e.turn_of)
+        return {"env/episodes": float(len(episodes)),
+                "env/turns": sum(e.turn for e in episodes) / len(episodes),
+                "env/terminated": float(sum(e.terminated for e in episodes)),
+                "env/truncated": float(sum(e.truncated for e in episodes)),
+                **{f"env/{kind}": float(self.counts[kind])
+                   for kind in ("turn_limit", "context_overflow", "errors", "timeouts", "generate_calls")},
+                "env/action_tokens": float(actions),
+                "env/observation_tokens": float(sum(len(e.tokens) for e in episodes) - actions),
+                "env/step_seconds": self.seconds["step"], "env/generate_seconds": self.seconds["generate"]}
+
+
+def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *, seeds: Sequence[int],
+                     tasks: Sequence[Any] | None = None, options: MultiTurnOptions | None = None,
+                     max_length: int | None = None, env_name: str | None = None,
+                     device: torch.device | str = "cpu") -> MultiTurnRollout:
+    """Run one episode per environment (fresh instances, one each) to its end, all in the same rounds: reset env b
+    with `seeds[b]` and `tasks[b]` (None without tasks), then each round generate every live episode's next turn
+    together and step each environment (module docstring). `generate(ids, mask, row_seeds, max_new_tokens)`
+    samples each row from its seed and returns its log-probs (`engine_sampler`); `max_length`: the most positions
+    of prompt + response (the model's, `marlhf.engines.model_positions`, or the run's context; None: no limit but
+    `options.max_response_tokens`); `env_name` names the environment in errors (default: its class name);
+    `device`: where the engine's inputs and the returned tensors go."""
+    options = options or MultiTurnOptions()
+    if len(seeds) != len(envs) or (tasks is not None and len(tasks) != len(envs)):
+        raise ValueError(f"rollout_episodes: {len(envs)} environments need as many seeds (got {len(seeds)}) and "
+                         f"tasks (got {'none' if tasks is None else len(tasks)})")
+    if not envs:
+        raise ValueError("rollout_episodes needs at least one environment")
+    runner = _Runner(generate, tokenizer, options, max_length, env_name, device)
+    episodes = [runner.start(index, env, seed, None if tasks is None else tasks[index])
+                for index, (env, seed) in enumerate(zip(envs, seeds))]
+    while live := [episode for episode in episodes if not episode.done]:
+        for episode, action_text in zip(live, runner.act(live)):
+            runner.step(episode, action_text)
+    return runner.batch(episodes)
