@@ -25,7 +25,7 @@ import typing
 import warnings
 
 from marlhf.demo.command import DEMO
-from marlhf.envs.command import ENVS_COMMAND
+from marlhf.envs_command import ENVS_COMMAND
 from marlhf.serve_command import VLLM_SERVE
 from marlhf.errors import USAGE_EXIT, Interrupted, MissingPackage, OutOfMemory, did_you_mean, one_line
 from marlhf.evaluation.commands import TOOLS

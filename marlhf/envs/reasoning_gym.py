@@ -33,8 +33,8 @@ from marlhf.envs.libraries import require
 from marlhf.errors import did_you_mean
 from marlhf.plugins import Plugin
 
-__all__ = ["ReasoningGymOptions", "ReasoningGymEnv", "plugin", "available", "records", "score", "scorer_errors",
-           "score_entry", "dataset_spec"]
+__all__ = ["ReasoningGymOptions", "ReasoningGymEnv", "plugin", "available", "records", "load_generated", "score",
+           "scorer_errors", "score_entry", "dataset_spec"]
 
 HELD_OUT = 2**31  # the evaluation records' dataset seed is the run's seed plus this (mod 2**32): disjoint streams
 
@@ -144,7 +144,7 @@ def dataset_spec(spec: str) -> tuple[str, ReasoningGymOptions]:
 
 
 def records(spec: str, stage: str, seed: int) -> list[dict[str, Any]]:
-    """The records of `reasoning_gym:SPEC` for `stage` (marlhf.data.load_records): rl and eval records with the
+    """The records of `reasoning_gym:SPEC` for `stage`: rl and eval records with the
     prompt, the reference `answer` and the entry's `reasoning_gym` reference; the eval records come from a held-out
     seed (the dataset seed plus 2**31). Other stages have no records (reasoning-gym has no responses to imitate)."""
     if stage not in ("rl", "eval"):
@@ -157,6 +157,14 @@ def records(spec: str, stage: str, seed: int) -> list[dict[str, Any]]:
     reference = {"dataset": name, "seed": dataset_seed, "size": options.size, "config": options.config}
     return [{"prompt": prompt_of(entry, options.system_prompt), "answer": str(entry["answer"]),
              "reasoning_gym": {**reference, "index": index}} for index, entry in enumerate(data)]
+
+
+def load_generated(dataset: str, stage: str, *, seed: int, max_samples: int | None = None) -> list[dict[str, Any]]:
+    """The records of `--dataset reasoning_gym:SPEC` for `stage` (what the trainers read in place of
+    marlhf.data.load_records), `max_samples` of them drawn with `seed` as load_records draws."""
+    from marlhf.data.loading import subsample
+
+    return subsample(records(dataset.removeprefix("reasoning_gym:"), stage, seed), max_samples, seed)
 
 
 class ReasoningGymEnv(Env):

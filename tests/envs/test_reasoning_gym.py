@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("reasoning_gym", reason="the envs extra is not installed (pip install \"marlhf[envs]\")")
 
-from marlhf.data import load_records  # noqa: E402
 from marlhf.envs import make_env  # noqa: E402
 from marlhf.envs import reasoning_gym as rg  # noqa: E402
+from marlhf.envs.reasoning_gym import load_generated  # noqa: E402
 from marlhf.logging_utils import read_metrics  # noqa: E402
 from marlhf.trainers.ppo import train_ppo  # noqa: E402
 from tests.envs.episodes import play  # noqa: E402
@@ -50,19 +50,19 @@ def test_a_raising_scorer_is_a_reward_of_0_counted_never_a_crash():
 
 
 def test_records_are_deterministic_by_seed_with_a_held_out_eval_stream():
-    first = load_records("reasoning_gym:chain_sum{size: 6}", "rl", seed=1)
-    assert first == load_records("reasoning_gym:chain_sum{size: 6}", "rl", seed=1)
-    assert [r["prompt"] for r in first] != [r["prompt"] for r in load_records("reasoning_gym:chain_sum{size: 6}",
+    first = load_generated("reasoning_gym:chain_sum{size: 6}", "rl", seed=1)
+    assert first == load_generated("reasoning_gym:chain_sum{size: 6}", "rl", seed=1)
+    assert [r["prompt"] for r in first] != [r["prompt"] for r in load_generated("reasoning_gym:chain_sum{size: 6}",
                                                                                "rl", seed=2)]
-    held_out = load_records("reasoning_gym:chain_sum{size: 6}", "eval", seed=1)
+    held_out = load_generated("reasoning_gym:chain_sum{size: 6}", "eval", seed=1)
     assert not {r["prompt"] for r in first} & {r["prompt"] for r in held_out}
-    assert len(load_records("reasoning_gym:chain_sum{size: 6}", "rl", seed=1, max_samples=4)) == 4
+    assert len(load_generated("reasoning_gym:chain_sum{size: 6}", "rl", seed=1, max_samples=4)) == 4
     env = make_env("reasoning_gym:chain_sum", {"size": 6})
     assert env.reset(0, first[2])[0] == first[2]["prompt"]
 
 
 def test_the_generator_options_reach_the_library():
-    records = load_records("reasoning_gym:chain_sum{size: 5, config: {min_terms: 2, max_terms: 2}, system_prompt: "
+    records = load_generated("reasoning_gym:chain_sum{size: 5, config: {min_terms: 2, max_terms: 2}, system_prompt: "
                            "none}", "rl", seed=0)
     assert all(r["prompt"].count("+") + r["prompt"].count("-") == 1 for r in records), records[0]["prompt"]
 
@@ -77,13 +77,13 @@ def test_the_generator_options_reach_the_library():
 ])
 def test_bad_specs_are_one_line_errors(spec, message):
     with pytest.raises(ValueError, match=None) as error:
-        load_records(spec, "rl", seed=0)
+        load_generated(spec, "rl", seed=0)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_no_records_for_the_stages_that_need_responses():
     with pytest.raises(ValueError, match="rl and eval records only"):
-        load_records("reasoning_gym:chain_sum", "sft", seed=0)
+        load_generated("reasoning_gym:chain_sum", "sft", seed=0)
 
 
 @pytest.mark.parametrize("advantage", ["gae", "grpo", "rloo"])

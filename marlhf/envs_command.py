@@ -1,4 +1,4 @@
-"""`marlhf envs`: the environments this installation can run, where each comes from, and what one would need that
+"""`marlhf envs` (marlhf.envs): the environments this installation can run, where each comes from, and what one would need that
 is not here (a download, a network, files, a package); registered in marlhf.cli like the evaluation tools."""
 
 from __future__ import annotations
