@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import make_env
 from marlhf.multiturn import MultiTurnOptions, engine_sampler, rollout_episodes
-from tests.envs.test_skyrl_gym import RECORD
+from tests.envs.episodes import GSM8K_RECORD as RECORD
 
 
 @pytest.fixture(scope="module")

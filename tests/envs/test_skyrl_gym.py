@@ -12,12 +12,7 @@ pytest.importorskip("skyrl_gym", reason="the envs extra is not installed (pip in
 from marlhf.envs import check_observation, make_env  # noqa: E402
 from marlhf.envs.skyrl_gym import read_tasks  # noqa: E402
 from marlhf.errors import MarlhfError  # noqa: E402
-from tests.envs.episodes import play  # noqa: E402
-
-RECORD = {"data_source": "openai/gsm8k", "env_class": "gsm8k_multi_turn",
-          "prompt": [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many "
-                                                 "clips did she sell? End with '#### ANSWER'."}],
-          "reward_spec": {"method": "rule", "ground_truth": "72"}, "extra_info": {"max_turns": 3}}
+from tests.envs.episodes import GSM8K_RECORD as RECORD, play  # noqa: E402
 
 
 def test_a_tiny_model_plays_a_multi_turn_episode_of_chat_messages(tiny_policy):
