@@ -17,7 +17,8 @@ BUILT_IN_MODULES = ("marlhf.demo.env",)
 
 def _envs_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("libraries", nargs="*", metavar="SOURCE",
-                        help="list only these sources: registered, reasoning_gym, textarena, skyrl_gym (default: all)")
+                        help="list only these sources: registered (built-in ones too), reasoning_gym, textarena, "
+                             "skyrl_gym (default: all)")
     parser.add_argument("--offline", action="store_true", help="list only the environments that run offline here")
 
 
@@ -27,8 +28,11 @@ def _registered() -> list[tuple[str, str, str]]:
     for module in BUILT_IN_MODULES:
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             importlib.import_module(module)
-    return [(name, f"registered ({getattr(plugin.obj, '__module__', '?')})", "") for name, plugin in
-            sorted(ENVS.items())]
+    rows = []
+    for name, plugin in sorted(ENVS.items()):
+        module = getattr(plugin.obj, "__module__", "?")
+        rows.append((name, f"{'built-in' if module.startswith('marlhf.') else 'registered'} ({module})", ""))
+    return rows
 
 
 def _library_rows(library: str) -> list[tuple[str, str, str]]:
