@@ -1,6 +1,6 @@
 """Multi-turn rollouts: episodes of environments (marlhf.envs) against a rollout engine, one row per episode.
 
-    rollout = rollout_episodes(envs, engine_sampler(engine, temperature=1.0, ...), tokenizer, seeds=[...],
+    rollout = rollout_episodes(envs, EngineSampler(engine, temperature=1.0, ...), tokenizer, seeds=[...],
                                tasks=[...], options=MultiTurnOptions(max_turns=4), max_length=positions)
 
 Each round generates the next turn of every live episode in one batched `generate` call (episodes at different
@@ -10,8 +10,10 @@ observation is encoded alone (`ObservationEncoder`: the chat template's delta fo
 has a template, the text between plain separators otherwise). Turn k of an episode with seed s is sampled with the
 row seed `turn_seed(s, k)` (s itself for turn 0), and engines draw each row from its own seed (marlhf.engines), so
 an episode's tokens do not depend on the other episodes of the batch: a batched run equals the episodes run one at a
-time. The engine is only called through `generate`, so any engine works; the hf engine re-reads each episode's
-context every round (no KV cache kept across turns), vLLM's prefix cache would keep it.
+time. The engine is only called through a sampler (`EngineSampler`), so any engine works, re-reading each episode's
+context every round; a sampler whose engine offers `new_cache()` (the hf engine) continues one KV cache from round
+to round instead (`_Layout`: rows keep their columns, with holes masked out), so a turn computes only its new
+tokens.
 
 The layout is docs/multiturn.md's: the prompt (the first observation) left-padded `[B, P]`; a response region
 `[B, T]` of action tokens, observation tokens between turns, right padding; `action_mask` True on sampled tokens
@@ -47,10 +49,12 @@ from marlhf.engines.base import Generation, RolloutEngine
 from marlhf.envs.base import Observation, check_observation
 from marlhf.errors import MarlhfError
 
-__all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Generate", "engine_sampler",
+__all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Generate", "EngineSampler",
            "rollout_episodes", "turn_seed"]
 
 EnvErrors = Literal["truncate", "raise"]
+# sampler(ids, mask, row_seeds, max_new_tokens) -> Generation with log-probs; one with `new_cache()` is also called
+# with `cache=` (EngineSampler)
 Generate = Callable[[torch.Tensor, torch.Tensor, list[int], int], Generation]
 
 
@@ -124,17 +128,27 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])
 
 
-def engine_sampler(engine: RolloutEngine, *, temperature: float, top_k: int, top_p: float,
-                   eos_token_id: int | Sequence[int], pad_token_id: int) -> Generate:
-    """`generate(ids, mask, row_seeds, max_new_tokens) -> Generation` on `engine` with these sampling settings and
-    the sampled tokens' log-probs (what `rollout_episodes` calls)."""
+class EngineSampler:
+    """`sampler(ids, mask, row_seeds, max_new_tokens, cache=None) -> Generation`: `engine.generate` with these
+    sampling settings and the sampled tokens' log-probs (what `rollout_episodes` calls). `new_cache()`: a KV cache
+    that a call fills and the next turn's call continues, when the engine has one (the hf engine with its dynamic
+    cache: `HFEngine.new_cache`), else None."""
 
-    def generate(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int], max_new_tokens: int) -> Generation:
-        return engine.generate(ids, mask, row_seeds=row_seeds, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                               pad_token_id=pad_token_id, return_logprobs=True)
+    def __init__(self, engine: RolloutEngine, *, temperature: float, top_k: int, top_p: float,
+                 eos_token_id: int | Sequence[int], pad_token_id: int) -> None:
+        self.engine = engine
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id, return_logprobs=True)
 
-    return generate
+    def new_cache(self) -> Any:
+        make = getattr(self.engine, "new_cache", None)
+        return make() if make is not None else None
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int], max_new_tokens: int,
+                 cache: Any = None) -> Generation:
+        continued = {} if cache is None else {"past_key_values": cache}
+        return self.engine.generate(ids, mask, row_seeds=row_seeds, max_new_tokens=max_new_tokens, **self.sampling,
+                                    **continued)
 
 
 class ObservationEncoder:
@@ -197,6 +211,8 @@ class _Episode:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     states: list[str] = dataclasses.field(default_factory=list)  # the observation before each turn
+    round_start: int = 0  # where this round's action starts in `tokens`
+    round_end: int = 0  # where it ends (and the reply, if one was appended, starts)
     done: bool = False
     terminated: bool = False
     truncated: bool = False
@@ -257,6 +273,18 @@ def _fitting_groups(contexts: list[int], caps: list[int], max_length: int | None
     return groups
 
 
+@dataclasses.dataclass
+class _Layout:
+    """The live episodes' rows as the last continued `generate` call left them: `ids`, `mask` [n, W], the mask False
+    on left padding and on holes (tokens sampled past a turn's end, padding before a shorter reply); `cache`, the
+    engine's KV cache of every column but the last sampled one; `episodes`, each row's episode."""
+
+    episodes: list[_Episode]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    cache: Any
+
+
 class _Runner:
     """The rounds of one `rollout_episodes` call (its arguments, its episodes, its metrics)."""
 
@@ -265,6 +293,7 @@ class _Runner:
         self.generate, self.tokenizer, self.options, self.max_length = generate, tokenizer, options, max_length
         self.env_name, self.device = env_name, device
         self.encoder = ObservationEncoder(tokenizer, options.observation_separator)
+        self.layout: _Layout | None = None
         self.counts: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
 
@@ -301,35 +330,99 @@ class _Runner:
 
     def act(self, live: list[_Episode]) -> list[str]:
         """One round's generation: the next turn of every live episode, in as few `generate` calls as fit the
-        positions; each action appended to its row. Returns the actions' texts, in the order of `live`."""
+        positions (one when they all fit: then continuing the last round's KV cache where the engine has one); each
+        action appended to its row. Returns the actions' texts, in the order of `live`."""
         caps = [min(self.options.max_turn_tokens, self.room(episode)) for episode in live]
         contexts = [len(episode.prompt) + len(episode.tokens) for episode in live]
+        groups = _fitting_groups(contexts, caps, self.max_length)
+        if len(groups) == 1 and callable(getattr(self.generate, "new_cache", None)):
+            return self.act_continuing(live, caps)
+        self.layout = None
         texts = [""] * len(live)
-        for group in _fitting_groups(contexts, caps, self.max_length):
+        for group in groups:
             ids, mask = pad_sequences([live[i].prompt + live[i].tokens for i in group],
                                       self.tokenizer.pad_token_id, "left")
-            seeds = [turn_seed(live[i].seed, live[i].turn) for i in group]
-            started = time.perf_counter()
-            generation = self.generate(ids.to(self.device), mask.bool().to(self.device), seeds,
-                                       max(caps[i] for i in group))
-            self.seconds["generate"] += time.perf_counter() - started
-            self.counts["generate_calls"] += 1
-            if generation.logprobs is None:
-                raise ValueError("the multi-turn rollout needs the sampled tokens' log-probs: generate with "
-                                 "return_logprobs=True (engine_sampler does)")
-            lengths = generation.response_mask.sum(1).tolist()
+            generation = self.call([live[i] for i in group], ids.to(self.device), mask.bool().to(self.device),
+                                   max(caps[i] for i in group))
             for row, i in enumerate(group):
-                length = min(int(lengths[row]), caps[i])
-                action = generation.response_ids[row, :length].tolist()
-                live[i].tokens += action
-                live[i].turn_of += [live[i].turn] * length
-                live[i].logprobs += generation.logprobs[row, :length].float().tolist()
-                texts[i] = self.tokenizer.decode(action, skip_special_tokens=True)
+                texts[i] = self.take(live[i], generation, row, caps[i])
         return texts
+
+    def act_continuing(self, live: list[_Episode], caps: list[int]) -> list[str]:
+        """`act` in one call that continues the KV cache of the last round's (`_Layout`), or starts one."""
+        layout = self.layout
+        if layout is None or [episode.index for episode in layout.episodes] != [episode.index for episode in live]:
+            ids, mask = pad_sequences([episode.prompt + episode.tokens for episode in live],
+                                      self.tokenizer.pad_token_id, "left")
+            layout = _Layout(live, ids.to(self.device), mask.bool().to(self.device), self.generate.new_cache())
+        generation = self.call(live, layout.ids, layout.mask, max(caps), layout.cache)
+        texts = [self.take(episode, generation, row, cap) for row, (episode, cap) in enumerate(zip(live, caps))]
+        kept = torch.tensor([len(episode.tokens) - episode.round_start for episode in live], device=self.device)
+        width = generation.response_ids.shape[1]
+        layout.ids = torch.cat([layout.ids, generation.response_ids], dim=1)
+        layout.mask = torch.cat([layout.mask, torch.arange(width, device=self.device)[None, :] < kept[:, None]], 1)
+        self.layout = layout if layout.cache is not None else None
+        return texts
+
+    def call(self, episodes: list[_Episode], ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+             cache: Any = None) -> Generation:
+        """One `generate` call for these episodes' next turns (timed, counted, its log-probs checked)."""
+        seeds = [turn_seed(episode.seed, episode.turn) for episode in episodes]
+        started = time.perf_counter()
+        continued = {} if cache is None else {"cache": cache}
+        generation = self.generate(ids, mask, seeds, max_new_tokens, **continued)
+        self.seconds["generate"] += time.perf_counter() - started
+        self.counts["generate_calls"] += 1
+        if generation.logprobs is None:
+            raise ValueError("the multi-turn rollout needs the sampled tokens' log-probs: generate with "
+                             "return_logprobs=True (EngineSampler does)")
+        return generation
+
+    def take(self, episode: _Episode, generation: Generation, row: int, cap: int) -> str:
+        """Append row `row` of `generation`, cut at `cap` tokens, to the episode as its turn's action; its text."""
+        length = min(int(generation.response_mask[row].sum()), cap)
+        action = generation.response_ids[row, :length].tolist()
+        episode.round_start = len(episode.tokens)
+        episode.tokens += action
+        episode.turn_of += [episode.turn] * length
+        episode.logprobs += generation.logprobs[row, :length].float().tolist()
+        return self.tokenizer.decode(action, skip_special_tokens=True)
+
+    def advance(self) -> None:
+        """After a round's steps: the continued layout without the episodes that ended, with the others' replies
+        right-aligned before the next turn, since the next call reads each row's last column. A row with an empty
+        reply moves its last real token there (masked where it was: the moved copy gets its position, and its keys
+        and values are computed again)."""
+        layout = self.layout
+        keep = [row for row, episode in enumerate(layout.episodes) if not episode.done] if layout else []
+        if not keep:
+            self.layout = None
+            return
+        mask = layout.mask.clone()
+        last_columns = (mask.shape[1] - 1 - mask.flip(1).int().argmax(1)).tolist()
+        tails = []
+        for row in keep:
+            episode = layout.episodes[row]
+            tails.append(episode.tokens[episode.round_end:])
+            if not tails[-1]:
+                tails[-1] = [int(layout.ids[row, last_columns[row]])]
+                mask[row, last_columns[row]] = False
+        width = max(len(tail) for tail in tails)
+        block = torch.full((len(keep), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        for row, tail in enumerate(tails):
+            block[row, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        filled = torch.arange(width)[None, :] >= torch.tensor([width - len(tail) for tail in tails])[:, None]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if len(keep) < len(layout.episodes):
+            layout.cache.batch_select_indices(index)
+        layout.ids = torch.cat([layout.ids[index], block.to(self.device)], dim=1)
+        layout.mask = torch.cat([mask[index], filled.to(self.device)], dim=1)
+        layout.episodes = [layout.episodes[row] for row in keep]
 
     def step(self, episode: _Episode, action_text: str) -> None:
         """Step the episode's environment with its turn's action, credit the reward, and end the episode or append
         the reply (module docstring: limits and faults)."""
+        episode.round_end = len(episode.tokens)
         started = time.perf_counter()
         try:
             result = _call_step(episode.env, action_text, self.options.step_timeout)
@@ -424,7 +517,7 @@ def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *,
     """Run one episode per environment (fresh instances, one each) to its end, all in the same rounds: reset env b
     with `seeds[b]` and `tasks[b]` (None without tasks), then each round generate every live episode's next turn
     together and step each environment (module docstring). `generate(ids, mask, row_seeds, max_new_tokens)`
-    samples each row from its seed and returns its log-probs (`engine_sampler`); `max_length`: the most positions
+    samples each row from its seed and returns its log-probs (`EngineSampler`); `max_length`: the most positions
     of prompt + response (the model's, `marlhf.engines.model_positions`, or the run's context; None: no limit but
     `options.max_response_tokens`); `env_name` names the environment in errors (default: its class name);
     `device`: where the engine's inputs and the returned tensors go."""
@@ -440,4 +533,5 @@ def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *,
     while live := [episode for episode in episodes if not episode.done]:
         for episode, action_text in zip(live, runner.act(live)):
             runner.step(episode, action_text)
+        runner.advance()
     return runner.batch(episodes)

@@ -12,7 +12,7 @@ import torch
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import Env
 from marlhf.errors import MarlhfError
-from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, engine_sampler, rollout_episodes,
+from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, EngineSampler, rollout_episodes,
                               turn_seed)
 from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -30,7 +30,7 @@ def _sampler(policy, noise: str = "row_generators", tokenizer=TOKENIZER, **sampl
     engine.sync_weights(policy)
     settings = dict(temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
-    return engine_sampler(engine, **{**settings, **sampling})
+    return EngineSampler(engine, **{**settings, **sampling})
 
 
 class Script(Env):
@@ -92,9 +92,36 @@ def test_the_row_layout_follows_the_contract(policy):
         assert rewards[last_tokens].tolist() == [k + 0.5 for k in range(tasks[b])]
         assert rollout.turn_rewards[b].tolist() == [k + 0.5 if k < tasks[b] else 0.0 for k in range(4)]
     assert (rollout.response_ids[~rollout.response_mask] == TOKENIZER.pad_token_id).all()
-    assert (rollout.turn_ids[~rollout.action_mask] == -1).all() and not (rollout.action_mask & ~rollout.response_mask).any()
+    assert (rollout.turn_ids[~rollout.action_mask] == -1).all()
+    assert not (rollout.action_mask & ~rollout.response_mask).any()
     assert rollout.metrics["env/action_tokens"] == rollout.action_mask.sum().item()
     assert rollout.metrics["env/observation_tokens"] == (rollout.response_mask & ~rollout.action_mask).sum().item()
+
+
+def test_actions_are_the_sampled_ids_never_the_retokenized_text(policy):
+    sampler, sampled = _sampler(policy), []
+
+    class Recording:  # the sampler, keeping each call's sampled ids by episode seed and turn
+        new_cache = sampler.new_cache
+
+        def __call__(self, ids, mask, seeds, n, cache=None):
+            generation = sampler(ids, mask, seeds, n, cache)
+            sampled.extend(zip(seeds, generation.response_ids[:, :6].tolist(), generation.response_mask.tolist()))
+            return generation
+
+    tasks, seeds = [3, 2, 3, 1, 3, 2], [30, 31, 32, 33, 34, 35]
+    rollout = rollout_episodes([Script() for _ in tasks], Recording(), TOKENIZER, seeds=seeds, tasks=tasks,
+                               options=MultiTurnOptions(max_turn_tokens=6), max_length=model_positions(policy))
+    by_seed = {seed: [token for token, real in zip(ids, mask) if real] for seed, ids, mask in sampled}
+    retokenized_differs = False
+    for b, seed in enumerate(seeds):
+        ids, _, turns, _ = _row(rollout, b)
+        for k in range(tasks[b]):
+            action = [token for token, turn in zip(ids, turns) if turn == k]
+            assert action == by_seed[turn_seed(seed, k)][:6]
+            text = TOKENIZER.decode(action, skip_special_tokens=True)
+            retokenized_differs |= TOKENIZER(text, add_special_tokens=False)["input_ids"] != action
+    assert retokenized_differs  # re-tokenizing the transcript would have changed some actions' ids
 
 
 def test_turn_state_ids_are_equal_exactly_for_equal_observations(policy):
@@ -123,6 +150,49 @@ def test_a_batched_rollout_equals_the_episodes_run_one_at_a_time(policy, noise):
         for name in ("num_turns", "terminated", "truncated"):
             assert getattr(batched, name)[b].tolist() == getattr(alone, name)[0].tolist()
         assert batched.turn_rewards[b, :tasks[b]].tolist() == alone.turn_rewards[0].tolist()
+
+
+class Ragged(Script):
+    """Script with replies of 0-3 words (so with no separator some replies are empty)."""
+
+    def reset(self, seed, task=None):
+        self.seed = seed
+        return super().reset(seed, task)
+
+    def step(self, action_text):
+        reply, *rest = super().step(action_text)
+        return " ".join(["ab"] * ((self.seed + len(self.sent)) % 4)), *rest
+
+
+@pytest.mark.parametrize("separator", ["\n", ""])
+def test_continuing_the_kv_cache_samples_what_reading_the_whole_context_samples(policy, separator):
+    """The hf engine continues each round's KV cache (rows with holes: actions cut at the episode's budget, replies
+    of different lengths); a plain generate function reads every context again. Same tokens."""
+    sampler, cached_columns = _sampler(policy), []
+
+    class Recording:  # the sampler, recording how many columns each call found in its cache
+        new_cache = sampler.new_cache
+
+        def __call__(self, ids, mask, seeds, n, cache=None):
+            cached_columns.append(cache.get_seq_length() if cache is not None else None)
+            return sampler(ids, mask, seeds, n, cache)
+
+    runs = {}
+    def plain(ids, mask, seeds, n):  # no new_cache: every call reads the whole contexts
+        return sampler(ids, mask, seeds, n)
+
+    for name, generate in (("continued", Recording()), ("plain", plain)):
+        options = MultiTurnOptions(max_turn_tokens=6, max_response_tokens=34, observation_separator=separator)
+        runs[name] = rollout_episodes([Ragged() for _ in range(5)], generate, TOKENIZER, seeds=[0, 1, 2, 3, 9],
+                                      tasks=[4, 2, 5, 3, 4], options=options, max_length=model_positions(policy))
+    continued, plain = runs["continued"], runs["plain"]
+    assert torch.equal(continued.response_ids, plain.response_ids)
+    assert torch.equal(continued.action_mask, plain.action_mask) and torch.equal(continued.num_turns, plain.num_turns)
+    torch.testing.assert_close(continued.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+    assert continued.truncated.any() and (continued.response_mask & ~continued.action_mask).any()
+    assert continued.metrics["env/generate_calls"] == plain.metrics["env/generate_calls"] == continued.num_turns.max()
+    assert cached_columns[0] == 0 and all(columns is not None for columns in cached_columns)
+    assert all(columns > 0 for columns in cached_columns[1:]), cached_columns  # every later call continued
 
 
 def test_a_one_turn_episode_samples_what_a_single_turn_rollout_of_its_seed_samples(policy):
@@ -174,7 +244,25 @@ def test_observation_encoding_with_a_chat_template():
         ObservationEncoder(tokenizer).reply("x")
     plain = ObservationEncoder(TOKENIZER, separator="\n")
     assert TOKENIZER.decode(plain.reply("the door opens")) == "\nthe door opens\n"
-    assert TOKENIZER.decode(plain.reply([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])) == "\na\nb\n"
+    messages = [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]
+    assert TOKENIZER.decode(plain.reply(messages)) == "\na\nb\n"
+
+
+def test_a_rollout_with_a_chat_template_encodes_each_reply_as_the_templates_delta(policy):
+    tokenizer = copy.deepcopy(TOKENIZER)
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    encoder = ObservationEncoder(tokenizer)
+    envs = [Script(), Script()]
+    rollout = rollout_episodes(envs, _sampler(policy, tokenizer=tokenizer), tokenizer, seeds=[4, 5], tasks=[3, 2],
+                               options=MultiTurnOptions(max_turn_tokens=5), max_length=model_positions(policy))
+    for b, env in enumerate(envs):
+        assert rollout.prompt_ids[b, rollout.prompt_mask[b]].tolist() == encoder.first(
+            f"Human: start {(4 + b) % 3}\n\nAssistant:")
+        observed = rollout.response_ids[b, rollout.response_mask[b] & ~rollout.action_mask[b]].tolist()
+        replies = [encoder.reply(f"seen {k + 1} {len(sent) % 3}") for k, sent in enumerate(env.sent[:-1])]
+        assert observed == [token for reply in replies for token in reply]
+        assert tokenizer.decode(replies[0]).startswith("<s>user: seen 1")
 
 
 class Faulty(Script):
@@ -216,7 +304,8 @@ def test_a_step_that_raises_or_hangs_ends_its_episode_truncated_or_stops_the_run
 @pytest.mark.parametrize("fault,message", [
     ("non_string", r"^environment 'Faulty' at turn 1 of episode 1: the observation is a int, not text"),
     ("nan_reward", r"^environment 'Faulty' at turn 1 of episode 1: the reward nan is not a finite number$"),
-    ("four_values", r"^environment 'Faulty' at turn 1 of episode 1: step returned tuple \('ok', 0.0, False, \{\}\), not \(observation"),
+    ("four_values",
+     r"^environment 'Faulty' at turn 1 of episode 1: step returned tuple \('ok', 0.0, False, \{\}\), not \(observ"),
 ])
 def test_an_environment_that_breaks_the_protocol_stops_the_run_in_one_line(policy, monkeypatch, fault, message):
     monkeypatch.setattr(Faulty, "FAULT", fault)
@@ -230,7 +319,8 @@ def test_a_reset_that_raises_or_a_prompt_that_leaves_no_room_stops_the_run(polic
         def reset(self, seed, task=None):
             raise OSError("server down")
 
-    with pytest.raises(MarlhfError, match=r"^environment 'BadReset' at turn 0 of episode 0: reset raised OSError: server down$"):
+    with pytest.raises(MarlhfError,
+                       match=r"^environment 'BadReset' at turn 0 of episode 0: reset raised OSError: server down$"):
         _run(policy, [2], [0], env=BadReset)
     with pytest.raises(MarlhfError, match="leaves no room in max_length 5"):
         rollout_episodes([Script()], _sampler(policy), TOKENIZER, seeds=[0], max_length=5)

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import (CompileConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+from transformers import (CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from marlhf.config import option
@@ -142,6 +142,7 @@ def generate_responses(
     return_logprobs: bool = False,
     sampling_noise: SamplingNoise = "row_generators",
     kv_cache: KVCache = "dynamic",
+    past_key_values: DynamicCache | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Sample one response per left-padded prompt (KV cache on), row b from its own random stream seeded by
     `row_seeds[b]` (default: seeds drawn from torch's global RNG, so seeding torch fixes them). Returns
@@ -154,7 +155,10 @@ def generate_responses(
     `kv_cache`: transformers' cache, grown by concatenation each token (`dynamic`) or allocated once for
     prompt + max_new_tokens (`static`: no per-token copies), or static with the decode step's forward compiled
     by torch.compile (`static_compiled`, on any device; the first call compiles). `static` stays eager even on
-    GPUs, where transformers would otherwise compile a static-cache decode by itself."""
+    GPUs, where transformers would otherwise compile a static-cache decode by itself. `past_key_values`: a dynamic
+    cache (`new_cache`) that holds the keys and values of the first columns of `prompt_ids` from an earlier call, which
+    are then not computed again, and which this call extends (a multi-turn rollout's next turn: marlhf.multiturn); the
+    mask may have holes (False between real tokens), and positions count real tokens only."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     positions = model_positions(policy)
     if positions is not None and prompt_mask.numel():
@@ -182,16 +186,7 @@ def generate_responses(
         processors.append(CounterGumbelNoise(row_seeds, prompt_ids.device))
     else:
         raise ValueError(f"`sampling_noise` must be 'row_generators' or 'counter_hash', got {sampling_noise!r}")
-    if kv_cache == "dynamic":
-        cache = {}
-    elif kv_cache == "static":
-        cache = {"cache_implementation": "static", "disable_compile": True}
-    elif kv_cache == "static_compiled":
-        compile_config = CompileConfig()
-        compile_config._compile_all_devices = True  # transformers compiles on CPUs only when asked this way
-        cache = {"cache_implementation": "static", "compile_config": compile_config}
-    else:
-        raise ValueError(f"`kv_cache` must be 'dynamic', 'static' or 'static_compiled', got {kv_cache!r}")
+    cache = _cache_arguments(kv_cache, past_key_values)
     sequences = policy.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask.long(),
@@ -212,6 +207,23 @@ def generate_responses(
         return response_ids, response_mask
     return response_ids, response_mask, recorder.logprobs(sequences[:, -1]).masked_fill(~response_mask, 0.0)
 
+
+
+def _cache_arguments(kv_cache: KVCache, past_key_values: DynamicCache | None) -> dict:
+    """transformers' generate arguments for the KV cache `kv_cache`, continuing `past_key_values` when given."""
+    if past_key_values is not None:
+        if kv_cache != "dynamic":
+            raise ValueError(f"continuing a cache (`past_key_values`) needs kv_cache 'dynamic', not {kv_cache!r}")
+        return {"past_key_values": past_key_values}
+    if kv_cache == "dynamic":
+        return {}
+    if kv_cache == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    if kv_cache == "static_compiled":
+        compile_config = CompileConfig()
+        compile_config._compile_all_devices = True  # transformers compiles on CPUs only when asked this way
+        return {"cache_implementation": "static", "compile_config": compile_config}
+    raise ValueError(f"`kv_cache` must be 'dynamic', 'static' or 'static_compiled', got {kv_cache!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +255,13 @@ class HFEngine:
             raise RuntimeError("sync_weights(policy) must be called before generate")
         return Generation(*generate_responses(self.policy, prompt_ids, prompt_mask, kv_cache=self.options.kv_cache,
                                               sampling_noise=self.options.sampling_noise, **sampling))
+
+    def new_cache(self) -> DynamicCache | None:
+        """An empty KV cache that `generate(..., past_key_values=cache)` fills and a later call continues (a
+        multi-turn rollout's turns, marlhf.multiturn); None with a static cache, which cannot be continued."""
+        if self.policy is None:
+            raise RuntimeError("sync_weights(policy) must be called before new_cache")
+        return DynamicCache(config=self.policy.config) if self.options.kv_cache == "dynamic" else None
 
     def close(self) -> None:
         self.policy = None  # holds no memory of its own: only the reference to the trained policy goes

@@ -12,7 +12,7 @@ from marlhf.demo.task import SyntheticTask
 from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.engines import HFEngine, model_positions
 from marlhf.envs import get_env, make_env
-from marlhf.multiturn import MultiTurnOptions, engine_sampler, rollout_episodes
+from marlhf.multiturn import MultiTurnOptions, EngineSampler, rollout_episodes
 
 
 def _bright(env: RelayEnv) -> str:
@@ -58,7 +58,7 @@ def test_a_full_episode_of_the_demo_model():
     policy = tiny_llama(tokenizer).eval()
     engine = HFEngine()
     engine.sync_weights(policy)
-    generate = engine_sampler(engine, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+    generate = EngineSampler(engine, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id)
     envs = [RelayEnv() for _ in range(4)]
     rollout = rollout_episodes(envs, generate, tokenizer, seeds=[0, 1, 2, 3],
