@@ -26,7 +26,7 @@ from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import make_env
 from marlhf.evaluation.passk import aggregate_pass_at_k
 from marlhf.evaluation.stats import paired_t
-from marlhf.multiturn import MultiTurnOptions, engine_sampler, rollout_episodes
+from marlhf.multiturn import EngineSampler, MultiTurnOptions, rollout_episodes
 
 __all__ = ["wilson_interval", "episode_summary", "evaluate_episodes"]
 
@@ -75,7 +75,7 @@ def evaluate_episodes(env: str, policy: torch.nn.Module, tokenizer: Any, *, seed
     engine = HFEngine()
     engine.options = HFOptions()
     engine.sync_weights(policy)
-    generate = engine_sampler(engine, temperature=temperature, top_k=0, top_p=1.0,
+    generate = EngineSampler(engine, temperature=temperature, top_k=0, top_p=1.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     task_ids = [i for i in range(len(seeds)) for _ in range(samples_per_task)]
     episode_seeds = [int(seeds[i]) + j * 1_000_003 for i in range(len(seeds)) for j in range(samples_per_task)]

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import make_env
-from marlhf.multiturn import MultiTurnOptions, engine_sampler, rollout_episodes
+from marlhf.multiturn import EngineSampler, MultiTurnOptions, rollout_episodes
 from tests.envs.episodes import GSM8K_RECORD as RECORD
 
 
@@ -29,7 +29,7 @@ def _rollout(policy, tokenizer, envs, tasks=None, **options):
     engine = HFEngine()
     engine.options = HFOptions()
     engine.sync_weights(policy)
-    generate = engine_sampler(engine, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+    generate = EngineSampler(engine, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id)
     return rollout_episodes(envs, generate, tokenizer, seeds=list(range(len(envs))), tasks=tasks,
                             options=MultiTurnOptions(**{"max_turn_tokens": 8, **options}),
