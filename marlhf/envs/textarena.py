@@ -238,6 +238,8 @@ class CheckpointOpponent:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.max_new_tokens = max_new_tokens
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
 
     def __call__(self, observation: str) -> str:
         import torch
@@ -252,7 +254,7 @@ class CheckpointOpponent:
         with torch.no_grad():
             out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                       max_new_tokens=self.max_new_tokens,
-                                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+                                      pad_token_id=self.pad_token_id)
         return self.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
 
 
