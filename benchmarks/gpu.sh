@@ -10,6 +10,8 @@
 # venv, docs/vllm.md), generation.py and ppo_step.py once more with --engine vllm. The PPO throughput is also
 # measured with bounded staleness (max_staleness 1, one rollout worker) and, with vLLM, with the rollouts from
 # `marlhf vllm-serve` on the same GPU (rollout_engine vllm_server); vs_trl.py's PPO line runs with --async.
+# Last, the environments' recipe (docs/envs.md): an instruct model on a reasoning-gym curriculum, MA-PPO against
+# GRPO (ENV_MODEL, ENV_STEPS; skipped without the envs extra or the model in the local cache).
 #
 #   bash benchmarks/gpu.sh                 # on a GPU machine, from the repository root (uses .venv if present)
 #   bash benchmarks/gpu.sh --tiny          # smoke test on CPU: a ~0.1M-parameter model, 2 small steps
@@ -181,3 +183,69 @@ for trainer in ppo grpo rloo; do
     echo "skipped: no $venv (make it as benchmarks/vs_trl.py's docstring says)"
   fi
 done
+
+# The environments (docs/envs.md): an instruct model of 0.5-1.5B (ENV_MODEL, default Qwen/Qwen2.5-0.5B-Instruct, a
+# directory or a Hub id already in the local cache: nothing is downloaded) on a reasoning-gym curriculum, chain_sum
+# with more terms at each stage, each stage starting from the previous stage's policy; MA-PPO (critic, GAE over
+# 5-token macro actions) against GRPO (4 samples per prompt, token level), ENV_STEPS steps a stage. It prints each
+# arm's mean library score over the last stage's steps and the share of raising scorers. --tiny: a tiny model made
+# here, 2 steps a stage. Then the TextArena recipe, which waits for the trainer's multi-turn integration.
+env_recipe() {
+  if ! "$PYTHON" -c "import reasoning_gym" >/dev/null 2>&1; then
+    echo "skipped: the envs extra is not installed in $PYTHON (pip install -e \".[envs]\")"; return
+  fi
+  local work model steps batch samples mini new_tokens prompt_tokens=384
+  work=$(mktemp -d)
+  if [[ $TINY == 1 ]]; then
+    model=$work/tiny; steps=2; batch=2; samples=2; mini=4; new_tokens=8; prompt_tokens=768  # ~1 token a character
+    PYTHONPATH=. "$PYTHON" - "$model" <<'PY'
+import sys
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+backend = Tokenizer(models.BPE())
+backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+backend.train_from_iterator(["<answer>1 + 2 - 3 = 0</answer> State the final answer"] * 8, trainers.BpeTrainer(
+    vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2)).save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])
+PY
+  else
+    model=${ENV_MODEL:-Qwen/Qwen2.5-0.5B-Instruct}; steps=${ENV_STEPS:-50}; batch=8; samples=4; mini=32
+    new_tokens=${NEW_TOKENS:-256}
+    if ! HF_HUB_OFFLINE=1 "$PYTHON" -c "from transformers import AutoConfig; AutoConfig.from_pretrained('$model')" \
+        >/dev/null 2>&1; then
+      echo "skipped: $model is neither a directory nor in the local Hugging Face cache (ENV_MODEL=...)"; return
+    fi
+  fi
+  for arm in ma_ppo grpo; do
+    local start=$model
+    if [[ $arm == ma_ppo ]]; then ARM=(--advantage gae --ngram 5); else ARM=(--advantage grpo --ngram none); fi
+    for terms in "2, max_terms: 3" "3, max_terms: 5" "5, max_terms: 8"; do
+      local out=$work/$arm/terms${terms%%,*}
+      HF_HUB_OFFLINE=1 TQDM_DISABLE=1 PYTHONPATH=. "$PYTHON" -m marlhf ppo --model_name_or_path "$start" \
+        --dataset "reasoning_gym:chain_sum{size: 4096, config: {min_terms: $terms}}" \
+        --reward_fns marlhf.envs.reasoning_gym:score marlhf.envs.reasoning_gym:scorer_errors --reward_weights 1 0 \
+        "${ARM[@]}" --num_samples_per_prompt "$samples" --per_device_batch_size "$batch" --mini_batch_size "$mini" \
+        --kl_coef 0 --max_prompt_length "$prompt_tokens" --max_response_length "$new_tokens" \
+        --max_length $((prompt_tokens + new_tokens)) --max_steps "$steps" --save_steps 0 --output_dir "$out" >/dev/null
+      start=$out
+    done
+    "$PYTHON" -c "import json, sys; m = [json.loads(l) for l in open(sys.argv[1])]; \
+print(f'$arm: last stage (5-8 terms), {len(m)} steps: mean score', \
+round(sum(x['rewards/score'] for x in m) / len(m), 3), 'scorer errors', \
+round(sum(x['rewards/scorer_errors'] for x in m) / len(m), 3))" "$start/metrics.jsonl"
+  done
+  rm -rf "$work"
+  echo "pending (the trainer's multi-turn integration, marlhf ppo --env): MA-PPO with turn-level macro actions"
+  echo "  against episode GRPO on a TextArena game, e.g."
+  echo "  marlhf ppo --model_name_or_path $model --env textarena:GuessTheNumber-v0 --max_turns 10 --termination turn"
+  echo "  marlhf ppo --model_name_or_path $model --env textarena:GuessTheNumber-v0 --max_turns 10 --advantage grpo"
+}
+echo; echo "== environments: a reasoning-gym curriculum, MA-PPO against GRPO (docs/envs.md)"
+env_recipe

@@ -4,7 +4,7 @@
   flags): `sft`, `reward`, `dpo`, `ppo` (marlhf.trainers) and `evaluate` (marlhf.evaluation.evaluate); the module
   is imported only when its command runs.
 - `TOOLS`: the commands with flags of their own, each a `Tool` (marlhf.commands.base): `plot`, `judge`,
-  `human-eval` (commands/evaluation.py), `demo` (commands/demo.py) and `vllm-serve` (commands/serve.py).
+  `human-eval` (commands/evaluation.py), `demo` (commands/demo.py), `vllm-serve` (commands/serve.py) and `envs` (commands/envs.py).
 
 A new command is a `Tool` in a module here (or a row of `COMMANDS` for a config command), added to its dict.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from marlhf.commands.base import Tool
 from marlhf.commands.demo import DEMO
+from marlhf.commands.envs import ENVS_COMMAND
 from marlhf.commands.evaluation import EVALUATION_TOOLS
 from marlhf.commands.serve import VLLM_SERVE
 
@@ -32,4 +33,4 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 # the file-based evaluation tools, the embedded demo and the rollout server
-TOOLS: dict[str, Tool] = {**EVALUATION_TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE}
+TOOLS: dict[str, Tool] = {**EVALUATION_TOOLS, "demo": DEMO, "vllm-serve": VLLM_SERVE, "envs": ENVS_COMMAND}

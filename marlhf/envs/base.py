@@ -126,8 +126,12 @@ def register_env(name: str, *, options: type | None = None) -> Callable[[Any], A
 
 
 def get_env(spec: str) -> Plugin:
-    """The environment registered as `spec`, or the class at `package.module:Class` or `path/to/file.py:Class`."""
-    return REGISTRY.get(spec)
+    """The environment registered as `spec`, an environment of a library as `LIBRARY:ID` (marlhf.envs.libraries:
+    `reasoning_gym:NAME`, `textarena:ID`, `skyrl_gym:ID`), or the class at `package.module:Class` or
+    `path/to/file.py:Class`."""
+    from marlhf.envs.libraries import library_plugin
+
+    return library_plugin(spec) or REGISTRY.get(spec)
 
 
 def make_env(spec: str | Plugin, options: Mapping[str, Any] | None = None) -> Any:
