@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
-from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows
+from marlhf.data.records import check_stage, check_stage_records, is_local_path, read_rows, subsample
 from marlhf.data.splits import split_indices
 from marlhf.data.tasks import TASKS_BY_HUB_ID, SkipRow, Task, check_record_options, get_task
 from marlhf.errors import MarlhfError
@@ -177,16 +177,6 @@ def stage_rows(task: Task, stage: str, rows: Any, seed: int) -> Any:
 
 def select(rows: Any, indices: list[int]) -> Any:
     return rows.select(indices) if hasattr(rows, "select") else [rows[i] for i in indices]
-
-
-def subsample(records: list[dict[str, Any]], max_samples: int | None, seed: int) -> list[dict[str, Any]]:
-    """A seeded random subset of ``max_samples`` records, kept in their original order."""
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples}")
-    if max_samples is None or max_samples >= len(records):
-        return records
-    kept = sorted(random.Random(seed).sample(range(len(records)), max_samples))
-    return [records[i] for i in kept]
 
 
 def load_records(

@@ -11,6 +11,7 @@ tests of an APPS problem, ride along unchanged):
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -107,3 +108,13 @@ def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], stage
         if missing:
             raise ValueError(f"{stage} record {index} lacks string field(s) {missing}; "
                              f"{stage} records need {list(fields)}")
+
+
+def subsample(records: list[dict[str, Any]], max_samples: int | None, seed: int) -> list[dict[str, Any]]:
+    """A seeded random subset of ``max_samples`` records, kept in their original order."""
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples}")
+    if max_samples is None or max_samples >= len(records):
+        return records
+    kept = sorted(random.Random(seed).sample(range(len(records)), max_samples))
+    return [records[i] for i in kept]

@@ -162,7 +162,7 @@ def records(spec: str, stage: str, seed: int) -> list[dict[str, Any]]:
 def load_generated(dataset: str, stage: str, *, seed: int, max_samples: int | None = None) -> list[dict[str, Any]]:
     """The records of `--dataset reasoning_gym:SPEC` for `stage` (what the trainers read in place of
     marlhf.data.load_records), `max_samples` of them drawn with `seed` as load_records draws."""
-    from marlhf.data.loading import subsample
+    from marlhf.data.records import subsample
 
     return subsample(records(dataset.removeprefix("reasoning_gym:"), stage, seed), max_samples, seed)
 
