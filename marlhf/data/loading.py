@@ -7,7 +7,6 @@ dataset on the Hub bounded by MARLHF_HUB_TIMEOUT (`marlhf.hub.hub_lookup`).
 from __future__ import annotations
 
 import logging
-import random
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
