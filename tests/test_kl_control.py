@@ -39,7 +39,7 @@ def test_the_coefficient_stays_within_its_bound():
         AdaptiveKLController(10.5, target=4.0, horizon=160, responses_per_step=64, max_value=10.0)
     with pytest.raises(ValueError, match=r"kl_coef \(20.0\) is above .* kl_coef_max \(10.0\)"):
         PPOConfig(kl_target=6.0, kl_coef=20.0)
-    assert AdaptiveKLOptions().kl_coef_max == 10.0 and PPOConfig(kl_target=6.0, kl_coef_max=0.5).kl_coef_max == 0.5
+    assert AdaptiveKLOptions().kl_coef_max == 10.0 and PPOConfig(kl_target=6.0, kl_coef_max=0.5).kl_control.kl_coef_max == 0.5
 
 
 def test_no_update_while_the_learning_rate_is_0():

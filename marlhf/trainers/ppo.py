@@ -21,7 +21,8 @@ takes the step's `Experience` (marlhf.rollout) and returns a copy with what it a
   5. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
      `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
      ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"; "mc_segment" from Monte-Carlo
-     continuations), optionally kept only on low-probability tokens (`advantage_mask_threshold`, SPO's mask);
+     continuations; "gigpo" over multi-turn episodes), optionally kept only on low-probability tokens
+     (`advantage_mask_threshold`, SPO's mask);
   6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
      the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
      gives a sequence-level ratio, `ngram=1` token-level ratios as in TRL's GRPO), clipped value loss on

@@ -192,7 +192,8 @@ class PPOConfig(TrainingConfig):
         "gae", "gae: critic + GAE over macro actions; rloo/grpo/reinforce: critic-free sequence advantages; "
                "prefix_tree: TEMPO's prefix-tree TD correction on grpo; entropy_weighted: GTPO / GRPO-S, from the "
                "policy's entropy at each token (computed only for it, in the scoring forward); mc_segment: "
-               "Monte-Carlo values at macro-action boundaries (VinePPO / SPO-chain); an "
+               "Monte-Carlo values at macro-action boundaries (VinePPO / SPO-chain); gigpo: GiGPO's episode and "
+               "anchor-state groups over multi-turn episodes; an "
                "estimator registered with marlhf.estimators.register_estimator, or a dotted path "
                "package.module:function")
     advantage_options: dict[str, Any] | None = option(
