@@ -30,6 +30,21 @@ _CORPUS = [
 ]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `-n 2 --dist loadgroup` the tests that share something made once go to one worker,
+    which makes it once: the session's demo run (minutes), and a module's fixtures of module scope (trainings,
+    torchrun launches). The other tests go to whichever worker is free."""
+    if not getattr(config.option, "loadgroup", False):  # set in each worker under --dist loadgroup
+        return
+    for item in items:
+        if "demo_run" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("demo_run"))
+        elif any(definition.scope == "module" for definitions in item._fixtureinfo.name2fixturedefs.values()
+                 for definition in definitions):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tiny models run several times faster on one thread (no thread hand-offs, no oversubscription
@@ -90,24 +105,31 @@ def tiny_records():
     return {"sft": sft, "rm": rm}
 
 
-DEMO_TERMINATIONS = ("fixed:none", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
-DEMO_BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
+DEMO_TERMINATIONS = ("fixed:none",)  # the --terminations path, on a rule that is not a fixed n-gram
+DEMO_BASELINES = ("dpo",)  # the --methods path, on the baseline that trains without rollouts
+# The other kinds (a rule that reads the policy's log-probs, a critic-free PPO-loop baseline) in a demo of their own:
+# tests/demo/test_demo.py, under -m slow.
+SLOW_DEMO_TERMINATIONS, SLOW_DEMO_BASELINES = ("perplexity",), ("reinforce",)
 
 
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
-    """`marlhf demo --quick` with two more termination rules and two baselines, run once for the session:
-    (output directory, summary, console output). Its models and data/ also serve the README's tour."""
+def run_quick_demo(out, terminations: tuple[str, ...], methods: tuple[str, ...]) -> tuple:
+    """`marlhf demo --quick` with more termination rules and baselines: (output directory, summary, console output)."""
     import contextlib
     import io
 
     from marlhf.demo import DemoConfig, run_demo
 
-    out = tmp_path_factory.mktemp("demo")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = run_demo(DemoConfig.quick(out=str(out), terminations=DEMO_TERMINATIONS, methods=DEMO_BASELINES))
+        summary = run_demo(DemoConfig.quick(out=str(out), terminations=terminations, methods=methods))
     return out, summary, printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The quick demo with DEMO_TERMINATIONS and DEMO_BASELINES, run once for the session (`run_quick_demo`). Its
+    models and data/ also serve the README's tour."""
+    return run_quick_demo(tmp_path_factory.mktemp("demo"), DEMO_TERMINATIONS, DEMO_BASELINES)
 
 
 class FakeHubHandler(BaseHTTPRequestHandler):

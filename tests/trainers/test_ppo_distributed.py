@@ -161,6 +161,7 @@ def test_checkpoints_under_deepspeed_are_an_error(tmp_path):
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
 
 
+@pytest.mark.slow  # two more launches; by default: resume in one process (test_ppo.py), FSDP training above
 def test_fsdp_run_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(two_process_run, tmp_path,
                                                                                   tiny_tokenizer):
     """2 processes, FSDP2: step 1 saved (a collective gather of weights and optimizer states), then a second
