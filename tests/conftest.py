@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "demo_run" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("demo_run"))
-        elif any(definition.scope == "module" for definitions in item._fixtureinfo.name2fixturedefs.values()
-                 for definition in definitions):
+        elif any(definition.scope == "module"  # the fixtures it uses (pytest has no public name for them)
+                 for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
