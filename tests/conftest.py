@@ -30,19 +30,29 @@ _CORPUS = [
 ]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `-n 2 --dist loadgroup` the tests that share something made once go to one worker,
-    which makes it once: the session's demo run (minutes), and a module's fixtures of module scope (trainings,
-    torchrun launches). The other tests go to whichever worker is free."""
-    if not getattr(config.option, "loadgroup", False):  # set in each worker under --dist loadgroup
-        return
-    for item in items:
-        if "demo_run" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("demo_run"))
-        elif any(definition.scope == "module"  # the fixtures it uses (pytest has no public name for them)
-                 for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+# The files whose tests read the session's demo run (`demo_run`, minutes): one pytest-xdist worker runs them all.
+DEMO_RUN_FILES = {"tests/demo/test_demo.py", "tests/test_readme.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the vLLM venv (scripts/ci_vllm.sh) runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist (`-n 2`) a file's tests go to one worker, which makes the file's module fixtures once
+    (trainings, torchrun launches), and the DEMO_RUN_FILES go to one worker, which makes the demo run once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "demo_run" if path in DEMO_RUN_FILES else path
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    strays = sorted({item.nodeid.split("::", 1)[0] for item in items if "demo_run" in item.fixturenames}
+                    - DEMO_RUN_FILES)
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(strays)} to DEMO_RUN_FILES (they read demo_run)")
 
 
 @pytest.fixture(autouse=True)
