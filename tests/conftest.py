@@ -30,6 +30,31 @@ _CORPUS = [
 ]
 
 
+# The files whose tests read the session's demo run (`demo_run`, minutes): one pytest-xdist worker runs them all.
+DEMO_RUN_FILES = {"tests/demo/test_demo.py", "tests/test_readme.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the vLLM venv (scripts/ci_vllm.sh) runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist (`-n 2`) a file's tests go to one worker, which makes the file's module fixtures once
+    (trainings, torchrun launches), and the DEMO_RUN_FILES go to one worker, which makes the demo run once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "demo_run" if path in DEMO_RUN_FILES else path
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    strays = sorted({item.nodeid.split("::", 1)[0] for item in items if "demo_run" in item.fixturenames}
+                    - DEMO_RUN_FILES)
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(strays)} to DEMO_RUN_FILES (they read demo_run)")
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tiny models run several times faster on one thread (no thread hand-offs, no oversubscription
@@ -90,24 +115,31 @@ def tiny_records():
     return {"sft": sft, "rm": rm}
 
 
-DEMO_TERMINATIONS = ("fixed:none", "perplexity")  # the --terminations path, on two rules that are not fixed n-grams
-DEMO_BASELINES = ("reinforce", "dpo")  # the --methods path: a critic-free PPO-loop baseline and DPO
+DEMO_TERMINATIONS = ("fixed:none",)  # the --terminations path, on a rule that is not a fixed n-gram
+DEMO_BASELINES = ("dpo",)  # the --methods path, on the baseline that trains without rollouts
+# The other kinds (a rule that reads the policy's log-probs, a critic-free PPO-loop baseline) in a demo of their own:
+# tests/demo/test_demo.py, under -m slow.
+SLOW_DEMO_TERMINATIONS, SLOW_DEMO_BASELINES = ("perplexity",), ("reinforce",)
 
 
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
-    """`marlhf demo --quick` with two more termination rules and two baselines, run once for the session:
-    (output directory, summary, console output). Its models and data/ also serve the README's tour."""
+def run_quick_demo(out, terminations: tuple[str, ...], methods: tuple[str, ...]) -> tuple:
+    """`marlhf demo --quick` with more termination rules and baselines: (output directory, summary, console output)."""
     import contextlib
     import io
 
     from marlhf.demo import DemoConfig, run_demo
 
-    out = tmp_path_factory.mktemp("demo")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = run_demo(DemoConfig.quick(out=str(out), terminations=DEMO_TERMINATIONS, methods=DEMO_BASELINES))
+        summary = run_demo(DemoConfig.quick(out=str(out), terminations=terminations, methods=methods))
     return out, summary, printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The quick demo with DEMO_TERMINATIONS and DEMO_BASELINES, run once for the session (`run_quick_demo`). Its
+    models and data/ also serve the README's tour."""
+    return run_quick_demo(tmp_path_factory.mktemp("demo"), DEMO_TERMINATIONS, DEMO_BASELINES)
 
 
 class FakeHubHandler(BaseHTTPRequestHandler):

@@ -17,6 +17,7 @@ from marlhf.advantages import (
 from marlhf.segments import (fixed_ngram, num_segments, perplexity, randomized_ngram, segment_values,
                              split_last_token, words)
 from tests.reference import macro_gae_ref, random_batch, segments_of_row, token_gae_ref, token_gae_schedule_ref
+from tests.sweeps import seeds
 
 
 def _ragged(seed, batch=9, width=21):
@@ -33,7 +34,7 @@ def _assert_close(actual: torch.Tensor, expected, mask):
     assert (actual[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
 def test_token_gae_matches_reference(seed, gamma, lam):
     mask, lengths, rewards, values, _ = _ragged(seed)
@@ -54,7 +55,7 @@ def _segmentations(mask, g):
     yield "words", words(mask, torch.rand(mask.shape, generator=g) < 0.35)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("weighting", ["equal", "unit", "position", "first"])
 @pytest.mark.parametrize("segment_reward", ["sum", "mean"])
 def test_macro_gae_matches_reference(seed, weighting, segment_reward):
@@ -87,7 +88,7 @@ def _boundary_lams(ids_row: list[int], lam: float, shift: int = 0) -> list[float
     return [lam if t + 1 in starts else 1.0 for t in range(len(ids_row))]
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("lam", [0.95, 0.5, 0.0])
 def test_macro_gae_with_first_is_token_gae_with_a_boundary_lambda_schedule(seed, lam):
     """At gamma 1 with `first`, a segment's TD error telescopes into its tokens' TD errors, so its advantage is

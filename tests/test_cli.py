@@ -17,6 +17,7 @@ import yaml
 from marlhf import cli
 from marlhf.logging_utils import read_metrics
 from tests.hub_cache import UNREACHABLE_HUB, offline_env, put_in_datasets_cache, put_in_hub_cache
+from tests.sweeps import sweep
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +106,7 @@ def test_the_libraries_are_quiet_unless_verbose(monkeypatch, tmp_path, tiny_mode
             transformers_logging.set_verbosity_warning()
 
 
+@pytest.mark.slow  # three trainings in child processes; by default: the sft stage's, in the test below
 def test_hub_ids_load_offline_from_the_cache(tmp_path, tiny_model_dir, tiny_records):
     """`marlhf sft` then `marlhf reward` and `marlhf ppo` with org/name ids, as on a GPU box whose cache holds the
     models: HF_HUB_OFFLINE=1, nothing downloaded."""
@@ -169,35 +171,43 @@ def _fails_in_one_line(tmp_path, *arguments, env=None) -> str:
     return lines[0]
 
 
-def test_expected_failures_are_one_line_errors_with_exit_2(tmp_path, tiny_model_dir, tiny_records):
+def test_expected_failures_are_one_line_errors_with_exit_2(tmp_path, tiny_model_dir, tiny_records, capsys,
+                                                           monkeypatch):
+    """In this process (each child process costs seconds of start-up); a child's stderr as the shell shows it:
+    test_invalid_yaml_from_the_shell_is_one_line_with_exit_2 and the Hub tests below."""
+    monkeypatch.chdir(tmp_path)
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps(r) + "\n" for r in tiny_records["sft"]))
     short = ["--dataset", str(sft), "--max_steps", "1", "--per_device_batch_size", "2", "--max_prompt_length", "32",
              "--max_length", "64", "--save_steps", "1"]
-    assert "model path" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tmp_path / "nothing"),
-                                              *short)
-    assert "does not exist" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tiny_model_dir),
-                                                  *short[:0], "--dataset", "missing.jsonl")
+
+    def fails(*argv: str) -> str:
+        code, line = _one_line_exit(capsys, list(argv))
+        assert code == 2, line
+        return line
+
+    assert "model path" in fails("sft", "--model_name_or_path", str(tmp_path / "nothing"), *short)
+    assert "does not exist" in fails("sft", "--model_name_or_path", str(tiny_model_dir), "--dataset", "missing.jsonl")
     no_response = tmp_path / "bad.jsonl"
     no_response.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    assert "'response'" in _fails_in_one_line(tmp_path, "sft", "--model_name_or_path", str(tiny_model_dir),
-                                              "--dataset", str(no_response))
+    assert "'response'" in fails("sft", "--model_name_or_path", str(tiny_model_dir), "--dataset", str(no_response))
     run = ["sft", "--model_name_or_path", str(tiny_model_dir), "--output_dir", "out", *short]
-    assert subprocess.run([sys.executable, "-m", "marlhf", *run], cwd=tmp_path, capture_output=True).returncode == 0
-    assert "already holds an earlier run" in _fails_in_one_line(tmp_path, *run)
+    assert cli.main(run) == 0
+    capsys.readouterr()
+    assert "already holds an earlier run" in fails(*run)
     for checkpoint in (tmp_path / "out").glob("checkpoint-*"):
         (checkpoint / "trainer_state.json").write_text("")  # damaged
-    line = _fails_in_one_line(tmp_path, *run, "--resume", "latest")
+    line = fails(*run, "--resume", "latest")
     assert "no complete checkpoint" in line and "skipping" in line and "checkpoint-1" in line
     (tmp_path / "empty").mkdir()
-    assert "metrics.jsonl" in _fails_in_one_line(tmp_path, "plot", "empty", "--out", "plots")
-    assert "did you mean '--learning_rate'" in _fails_in_one_line(tmp_path, "sft", "--learnig_rate", "1e-5")
-    assert "--learning_rat " in _fails_in_one_line(tmp_path, "sft", "--learning_rat", "1e-5") + " "  # no prefixes
+    assert "metrics.jsonl" in fails("plot", "empty", "--out", "plots")
+    assert "did you mean '--learning_rate'" in fails("sft", "--learnig_rate", "1e-5")
+    assert "--learning_rat " in fails("sft", "--learning_rat", "1e-5") + " "  # no prefixes
     (tmp_path / "typo.yaml").write_text("learnig_rate: 0.1\n")
-    assert "did you mean 'learning_rate'" in _fails_in_one_line(tmp_path, "sft", "--config", "typo.yaml")
+    assert "did you mean 'learning_rate'" in fails("sft", "--config", "typo.yaml")
 
 
-@pytest.mark.parametrize("offline", ["1", ""])
+@pytest.mark.parametrize("offline", sweep(["1", ""]))  # unreachable, in this process: the test after this one
 def test_a_hub_id_without_network_fails_fast_in_one_line(tmp_path, tiny_records, offline):
     """Offline, or online with the Hub unreachable (HF_ENDPOINT at a closed local port): seconds, not the download's
     retries, and the line names the id and where the cache is."""
@@ -227,7 +237,11 @@ def test_the_hub_check_takes_seconds_not_the_downloads_retries(monkeypatch, tmp_
 
 
 def test_verbose_shows_the_traceback(tmp_path):
-    child = subprocess.run([sys.executable, "-m", "marlhf", "--verbose", "plot", "nowhere", "--out", "p"],
+    """Through the `marlhf` console script that `pip install` put beside this Python (test_python_dash_m_marlhf
+    starts the module)."""
+    command = Path(sys.executable).with_name("marlhf")
+    assert command.is_file(), f"no console script {command}: install the project (pip install -e '.[test]')"
+    child = subprocess.run([str(command), "--verbose", "plot", "nowhere", "--out", "p"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert child.returncode != 0 and "Traceback" in child.stderr
 

@@ -8,6 +8,7 @@ import torch
 
 from marlhf.advantages import entropy_shaped_rewards, entropy_weighted, grpo
 from tests.reference import random_batch
+from tests.sweeps import seeds
 
 
 def _batch(seed, groups=3, group_size=4, width=12, binary=True):
@@ -79,7 +80,7 @@ def advantages_ref(scores, entropy, lengths, group_size, level, a1, a2, threshol
     return out
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", seeds(5))
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("group_size", [1, 2, 4, 12])
 @pytest.mark.parametrize("binary", [True, False])
@@ -95,7 +96,7 @@ def test_matches_the_papers_equations(seed, level, group_size, binary):
     assert (out[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_positive_reward_mass_is_conserved(seed):
     """Proposition 2.2: with r = 1, per group and position the successes' shaped rewards sum to (a1 + a2) d_t."""
     scores, entropy, mask, _ = _batch(seed, groups=4, group_size=5)
@@ -109,7 +110,7 @@ def test_positive_reward_mass_is_conserved(seed):
     assert d_t.max() >= 2
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_token_level_sets_are_standardized_apart(seed):
     scores, entropy, mask, _ = _batch(seed, groups=2, group_size=8, width=20)
     out = entropy_weighted(scores, entropy, mask, 8, eps=1e-12)
@@ -123,7 +124,7 @@ def test_token_level_sets_are_standardized_apart(seed):
                 assert values.std().item() == pytest.approx(1.0, abs=1e-4)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_grpo_s_with_equal_entropies_is_grpo(seed):
     """Equal mean entropies give every success a1 + a2 and every failure -(a1 + a2): an affine map of {0, 1}
     scores, so the standardised advantage is GRPO's."""

@@ -9,6 +9,7 @@ from marlhf.advantages import macro_gae
 from marlhf.losses import bradley_terry_loss, dpo_loss, policy_loss, loss_units, value_loss
 from marlhf.segments import fixed_ngram, perplexity, randomized_ngram, words
 from tests.reference import policy_loss_ref, random_batch, value_loss_ref
+from tests.sweeps import seeds
 
 
 def _rollout(seed, batch=10, width=19, spread=0.3):
@@ -33,7 +34,7 @@ def _segmentations(mask, g):
     }
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("granularity", ["macro", "token"])
 def test_policy_loss_matches_reference(seed, granularity):
     mask, old, new, rewards, values, g = _rollout(seed)
@@ -45,7 +46,7 @@ def test_policy_loss_matches_reference(seed, granularity):
         assert stats["clipfrac"].item() == pytest.approx(clipfrac, abs=1e-6), name
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("granularity,weighting", [("macro", "tokens"), ("token", "tokens"), ("macro", "uniform"),
                                                    ("macro", "geometric")])
 def test_truncated_importance_sampling_matches_reference(seed, granularity, weighting):
@@ -71,7 +72,7 @@ def test_truncated_importance_sampling_matches_reference(seed, granularity, weig
         policy_loss(new, old, adv, mask, ids, rollout_logprobs=rollout, tis_cap=0.0)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("weighting", ["tokens", "uniform", "geometric"])
 def test_segment_weightings_match_reference(seed, weighting):
     mask, old, new, rewards, values, g = _rollout(seed, spread=0.6)
@@ -190,7 +191,7 @@ def test_policy_loss_rejects_bad_input():
         policy_loss(new, old, adv, mask, torch.zeros(3, 5, dtype=torch.long))
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 def test_num_slots_from_the_host_gives_the_same_losses(seed):
     """The trainer passes each piece's segment count from the host; the losses are then bit-identical, and a
     wrong count is an error naming it (with the value checks on)."""
@@ -231,7 +232,7 @@ def test_trusted_inputs_skip_only_the_value_checks():
         value_loss(new, old, bad, mask, ids)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("clip", [None, 0.2])
 @pytest.mark.parametrize("weighting", ["equal", "unit", "position", "first"])
 def test_value_loss_matches_reference(seed, clip, weighting):

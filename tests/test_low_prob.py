@@ -10,6 +10,7 @@ from marlhf._checks import check_segment_ids
 from marlhf.advantages import low_prob_advantage_mask
 from marlhf.segments import low_prob_cutpoints, low_prob_tokens
 from tests.reference import random_batch, segments_of_row
+from tests.sweeps import seeds
 
 
 def _batch(seed, batch=10, width=25):
@@ -65,7 +66,7 @@ def spo_segments(logprobs_row: list[float], interval: int) -> list[list[int]]:
     return [pieces[s] for s in sorted(pieces)]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("interval", [1, 2, 3, 10])
 def test_cutpoints_match_spo(seed, interval):
     """Against SPO's own cutpoints and segments (`spo_segments`, a transcription of AIFrameResearch/SPO at commit
@@ -78,7 +79,7 @@ def test_cutpoints_match_spo(seed, interval):
             assert segments_of_row(row) == spo_segments(lp[:length], interval)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("interval,min_tokens,max_tokens",
                          [(1, None, None), (2, None, None), (1, None, 3), (3, None, 1), (1, 3, None), (2, 2, 5),
@@ -132,7 +133,7 @@ def spo_masked_advantages(advantages_row: list[float], logprobs_row: list[float]
     return [a if p < 0.9 else 0.0 for a, p in zip(out, probs)]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_advantage_mask_matches_spo(seed):
     """Against SPO's probability mask (`spo_masked_advantages`, a transcription of AIFrameResearch/SPO at commit
     b9fc6a263dec54e28137fd488a9b9c0e0d026025); probabilities exactly 0.9 included."""

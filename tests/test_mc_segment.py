@@ -25,6 +25,7 @@ from marlhf.segments import (broadcast_segments, fixed_ngram, keep_boundaries, n
 from marlhf.trainers.ppo import PPOConfig, train_ppo
 from marlhf.trainers.ppo_setup import mixed_seed
 from tests.reference import random_batch, segments_of_row
+from tests.sweeps import seeds
 from tests.trainers.test_ppo import RECORDS, _config, count_e
 
 
@@ -50,7 +51,7 @@ def keep_boundaries_ref(segment_ids: torch.Tensor, max_boundaries: int) -> torch
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("max_boundaries", [1, 2, 3, 5, 20])
 def test_keep_boundaries_matches_reference(seed, max_boundaries):
     mask, segment_ids = _random_segments(9, 13, seed)
@@ -80,7 +81,7 @@ def mc_segment_advantages_ref(boundary_values, rewards, segment_ids):
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize("one_segment", [False, True])
 def test_mc_segment_advantages_matches_reference(seed, one_segment):
     mask, segment_ids = _random_segments(10, 9, seed)

@@ -7,6 +7,7 @@ import torch
 
 from marlhf.advantages import grpo, prefix_tree_advantages
 from tests.reference import random_batch
+from tests.sweeps import seeds
 
 PAD = -7  # not a token id: padding never matches a real token
 
@@ -77,7 +78,7 @@ def prefix_tree_ref(scores, ids, lengths, group_size, normalize_std=True, eps=1e
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", seeds(6))
 @pytest.mark.parametrize("group_size", [2, 3, 5])
 @pytest.mark.parametrize("normalize_std", [True, False])
 def test_matches_the_authors_code(seed, group_size, normalize_std):
@@ -89,7 +90,7 @@ def test_matches_the_authors_code(seed, group_size, normalize_std):
     torch.testing.assert_close(out, tempo_authors(scores, ids, mask, group_size, normalize_std), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", seeds(6))
 @pytest.mark.parametrize("group_size,vocab", [(2, 2), (4, 2), (4, 3), (8, 2), (16, 4)])
 def test_matches_reference(seed, group_size, vocab):
     scores, ids, mask, lengths = _group_batch(seed, groups=2, group_size=group_size, width=11, vocab=vocab)
@@ -112,7 +113,7 @@ def test_a_response_that_ends_at_an_inner_node():
     torch.testing.assert_close(out, tempo_authors(scores, ids, mask, 3, False))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_identical_responses_give_grpo(seed):
     scores, ids, mask, _ = _group_batch(seed, groups=3, group_size=4)
     ids = ids.view(3, 4, -1)[:, :1].expand(-1, 4, -1).reshape(12, -1)  # every group: one response repeated
@@ -122,7 +123,7 @@ def test_identical_responses_give_grpo(seed):
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_different_first_tokens_give_grpo_after_the_first(seed):
     """The first token moves from the root (the group mean) to a leaf's branch (the response's own score), so it
     gets twice GRPO's advantage, as the authors' code gives it; every later token gets GRPO's."""
@@ -137,7 +138,7 @@ def test_different_first_tokens_give_grpo_after_the_first(seed):
     torch.testing.assert_close(out, tempo_authors(scores, ids, mask, 4), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_correction_only_where_the_group_branches(seed):
     """The TD term (the advantage minus GRPO's) is 0 at every token whose parent node has one child."""
     scores, ids, mask, lengths = _group_batch(seed, groups=2, group_size=6, width=10)

@@ -309,8 +309,9 @@ def _stderr_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("sft: ")]
 
 
-@pytest.mark.parametrize("stop, code, what", [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
-                                              (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+@pytest.mark.parametrize("stop, code, what", [  # SIGTERM's line and exit code by default: tests/test_cli.py
+    (signal.SIGINT, 130, "interrupted (Ctrl-C)"),
+    pytest.param(signal.SIGTERM, 143, "terminated (SIGTERM)", marks=pytest.mark.slow)])
 def test_ctrl_c_says_what_was_saved_and_resume_latest_continues(tmp_path, tiny_model_dir, tiny_records, stop, code,
                                                                 what):
     """SIGINT mid-training (a user's Ctrl-C) or SIGTERM (`kill PID`, a scheduler's preemption): exit 130 or 143 with

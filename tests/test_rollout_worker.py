@@ -17,6 +17,7 @@ from marlhf.engines import HFEngine, HFOptions
 from marlhf.engines.worker import RolloutWorker, WorkerSpec
 from marlhf.errors import MarlhfError
 from marlhf.data.encoding import pad_sequences
+from tests.sweeps import sweep
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = dict(max_new_tokens=6, temperature=0.8, top_k=0, top_p=1.0, eos_token_id=2, pad_token_id=0,
@@ -100,7 +101,7 @@ def test_worker_samples_what_the_engine_samples_in_process_and_stops(tmp_path, m
     assert "rollout worker 0: pid" in log.read_text()
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung", "failed"])
+@pytest.mark.parametrize("fault", sweep(["hung", "killed", "failed"]))  # hung, the timeout, by default
 def test_a_dead_hung_or_failing_worker_stops_the_trainer_within_the_timeout(fault, tmp_path, make_tiny_causal_lm,
                                                                             tiny_tokenizer):
     engine = {"killed": "tests.test_rollout_worker:HangingEngine", "hung": "tests.test_rollout_worker:HangingEngine",
@@ -147,7 +148,7 @@ finally:
 """
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("signal_number", sweep([signal.SIGKILL, signal.SIGINT]))
 def test_no_worker_outlives_its_trainer(signal_number, tmp_path):
     """SIGKILL of the trainer: the kernel kills the worker (PR_SET_PDEATHSIG); SIGINT (Ctrl-C): the trainer's
     KeyboardInterrupt closes it. No orphan either way."""

@@ -22,9 +22,10 @@ from tests.reference import (
     randomized_from_order_ref,
     segments_of_row,
 )
+from tests.sweeps import seeds
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", seeds(5))
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 64, None])
 def test_fixed_ngram_matches_reference(seed, n):
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +74,7 @@ def test_all_padding_and_empty_width():
     assert num_segments(fixed_ngram(empty, 3)).tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", seeds(6))
 def test_randomized_ngram_matches_reference(seed):
     lengths_pool, repeat = (2, 3, 5, 10), 2
     g = torch.Generator().manual_seed(seed)
@@ -112,7 +113,7 @@ def test_randomized_ngram_rejects_bad_lengths():
         randomized_ngram(mask, (2, 3), 0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", seeds(6))
 def test_perplexity_matches_reference(seed):
     g = torch.Generator().manual_seed(seed)
     mask, lengths = random_batch(10, 30, g)
@@ -140,7 +141,7 @@ def test_perplexity_rejects_nan_and_shape():
     assert perplexity(pad_mask, torch.tensor([[-1.0, -1.0, float("nan")]])).tolist() == [[0, 0, -1]]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_segment_reductions_match_loops(seed):
     g = torch.Generator().manual_seed(seed)
     mask, lengths = random_batch(7, 17, g)
@@ -205,7 +206,7 @@ def words_ref(lengths: list[int], width: int, starts: list[list[bool]]) -> list[
     return rows
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", seeds(5))
 @pytest.mark.parametrize("rate", [0.0, 0.3, 1.0])
 def test_words_matches_reference(seed, rate):
     g = torch.Generator().manual_seed(seed)

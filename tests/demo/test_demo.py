@@ -9,10 +9,12 @@ import yaml
 
 from marlhf import cli
 from marlhf.demo import DemoConfig
+from marlhf.demo.config import parse_termination
 from tests.conftest import DEMO_BASELINES as BASELINES
+from tests.conftest import DEMO_TERMINATIONS, SLOW_DEMO_BASELINES, SLOW_DEMO_TERMINATIONS, run_quick_demo
 
 METHODS = ("ppo", "ma_ppo")
-EXTRA_METHODS = ("ma_ppo_fixed_inf", "ma_ppo_perplexity")  # DEMO_TERMINATIONS' methods
+EXTRA_METHODS = tuple(parse_termination(spec)[0] for spec in DEMO_TERMINATIONS)  # ma_ppo_fixed_inf
 STEPS = DemoConfig.quick().ppo_steps
 
 
@@ -72,8 +74,21 @@ def test_summary_schema(demo_run):
 
 
 def test_logs_have_one_row_per_step(demo_run):
-    out, _, _ = demo_run
-    for method in METHODS + EXTRA_METHODS + ("reinforce",):
+    _assert_one_row_per_step(demo_run[0], METHODS + EXTRA_METHODS)
+
+
+@pytest.mark.slow  # a second quick demo (minutes); the default run's demo has a rule and a baseline of its own
+def test_a_rule_on_the_policys_log_probs_and_a_critic_free_baseline_run_in_the_demo(tmp_path):
+    out, summary, _ = run_quick_demo(tmp_path, SLOW_DEMO_TERMINATIONS, SLOW_DEMO_BASELINES)
+    methods = METHODS + tuple(parse_termination(spec)[0] for spec in SLOW_DEMO_TERMINATIONS) + SLOW_DEMO_BASELINES
+    assert list(summary["methods"]) == list(methods)  # ppo, ma_ppo, ma_ppo_perplexity, reinforce
+    report = (out / "report.md").read_text()
+    assert all(f"| {m} |" in report for m in methods)
+    _assert_one_row_per_step(out, methods)
+
+
+def _assert_one_row_per_step(out, methods: tuple[str, ...]) -> None:
+    for method in methods:
         run_dir = out / "runs" / method / "seed0"
         gold = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
         trainer = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

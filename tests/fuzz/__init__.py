@@ -3,8 +3,10 @@ files, options, data files, paths, earlier output) and must answer each with one
 names the option or the file, a non-zero exit, no file written outside its output directory and no earlier output
 changed.
 
-CI runs a fixed number of examples per test at a fixed seed (FUZZ_EXAMPLES, FUZZ_SEED); a longer run is
-`python -m tests.fuzz --examples 2000 --seed 7`.
+Each fuzz test runs at a fixed seed (FUZZ_SEED) at two depths (its `fuzz_depth` argument, tests/fuzz/conftest.py):
+`quick` by default, with the explicit examples (every bound just past it) and a tenth of the test's full count of
+drawn examples; `full`, marked slow (`pytest -m slow`, which CI runs too), with its full count. A longer run is
+`python -m tests.fuzz --examples 2000 --seed 7` (FUZZ_EXAMPLES: that count at either depth).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
 
 
-def examples(ci_count: int) -> int:
-    """A test's example count: its CI count, or FUZZ_EXAMPLES for a longer run."""
-    return int(os.environ.get("FUZZ_EXAMPLES", ci_count))
+def examples(full_count: int, depth: str) -> int:
+    """A test's count of drawn examples at `depth` ('quick' or 'full'), or FUZZ_EXAMPLES for a longer run."""
+    if "FUZZ_EXAMPLES" in os.environ:
+        return int(os.environ["FUZZ_EXAMPLES"])
+    return full_count if depth == "full" else max(1, full_count // 10)

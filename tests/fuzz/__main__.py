@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__)
-parser.add_argument("--examples", type=int, default=200, help="examples per fuzz test (CI: 2 to 30)")
+parser.add_argument("--examples", type=int, default=200,
+                    help="examples per fuzz test (pytest: 1 to 3, -m slow: 2 to 30)")
 parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (CI: 0)")
 arguments, pytest_options = parser.parse_known_args()
 os.environ.update(FUZZ_EXAMPLES=str(arguments.examples), FUZZ_SEED=str(arguments.seed))

@@ -13,6 +13,12 @@ from marlhf.modeling import ScalarHeadModel
 from tests.fuzz.harness import Started
 
 
+def pytest_generate_tests(metafunc):
+    """A fuzz test that takes `fuzz_depth` runs `quick` by default and `full` under `-m slow` (tests/fuzz/__init__)."""
+    if "fuzz_depth" in metafunc.fixturenames:
+        metafunc.parametrize("fuzz_depth", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+
+
 @pytest.fixture(scope="session")
 def fuzz_models(tmp_path_factory, tiny_model_dir, tiny_tokenizer) -> dict[str, Path]:
     """policy: the tiny Llama; reward: a ScalarHeadModel on it."""

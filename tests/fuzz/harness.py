@@ -26,10 +26,11 @@ class Started(Exception):
     """A run started on an input the fuzzer made invalid."""
 
 
-def fuzz_settings(ci_examples: int):
-    """Hypothesis at the fuzzer's fixed seed, `ci_examples` in CI (FUZZ_EXAMPLES for a longer run), no example
-    database (each run starts from the seed alone), no deadline (the machine is shared)."""
-    return settings(max_examples=examples(ci_examples), database=None, deadline=None, derandomize=False,
+def fuzz_settings(full_examples: int, depth: str):
+    """Hypothesis with `full_examples` drawn examples at depth 'full' and a tenth of them at 'quick' (FUZZ_EXAMPLES
+    for a longer run), no example database (each run starts from the seed alone), no deadline (the machine is
+    shared)."""
+    return settings(max_examples=examples(full_examples, depth), database=None, deadline=None, derandomize=False,
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large, HealthCheck.filter_too_much])

@@ -168,16 +168,16 @@ def _flag(config: type, name: str, value: typing.Any) -> list[str]:
     return [f"--{name}", json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
-CI_EXAMPLES = {"sft": 25, "reward": 20, "dpo": 20, "ppo": 30, "evaluate": 20, "demo": 25}
+FULL_EXAMPLES = {"sft": 25, "reward": 20, "dpo": 20, "ppo": 30, "evaluate": 20, "demo": 25}
 
 
-@pytest.mark.parametrize("command", sorted(CI_EXAMPLES))
-def test_config_commands(command, fuzz_models, monkeypatch):
+@pytest.mark.parametrize("command", sorted(FULL_EXAMPLES))
+def test_config_commands(command, fuzz_models, monkeypatch, fuzz_depth):
     # A demo that the fuzzer left valid would train for minutes: it stops where the pipeline would start.
     monkeypatch.setattr("marlhf.demo.pipeline.run_demo", lambda config: None)
     shared = [fuzz_models["policy"], fuzz_models["reward"]]
 
-    @fuzz_settings(CI_EXAMPLES[command])
+    @fuzz_settings(FULL_EXAMPLES[command], fuzz_depth)
     @seed(SEED)
     @given(example=trainer_examples(command, fuzz_models))
     def fuzz(example: Example) -> None:

@@ -40,11 +40,11 @@ def _example(command: str, values: dict, flags: list[str], culprits: set[str]) -
 
 
 @pytest.mark.parametrize(("command", "name"), OPTIONS, ids=[f"{c}-{n}" for c, n in OPTIONS])
-def test_every_option_refuses_invalid_values(command, name, no_runs):
+def test_every_option_refuses_invalid_values(command, name, no_runs, fuzz_depth):
     config = CONFIGS[command]
     choices = TASK_NAMES if name == "dataset_task" else NAMED.get(name) if command == "ppo" else None
 
-    @fuzz_settings(3)
+    @fuzz_settings(3, fuzz_depth)
     @seed(SEED)
     @given(bad=field_invalid_values(config, name, choices), on_command_line=st.booleans())
     def refused(bad: Bad, on_command_line: bool) -> None:
@@ -60,7 +60,7 @@ def test_every_option_refuses_invalid_values(command, name, no_runs):
 
 
 @pytest.mark.parametrize(("kind", "plugin", "name"), PLUGIN_OPTIONS, ids=["-".join(o) for o in PLUGIN_OPTIONS])
-def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs):
+def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs, fuzz_depth):
     """In the plug-in's block (`kind: {name: plugin, option: value}`) and in its `<kind>_options`, with the bounds
     of its own field (declared with marlhf.config.option; the flat flag of the same name is fuzzed with the config's
     options)."""
@@ -68,7 +68,7 @@ def test_every_plugin_option_refuses_invalid_values(kind, plugin, name, no_runs)
     own_field = next(f for f in dataclasses.fields(options) if f.name == name)
     values = invalid_values(typing.get_type_hints(options)[name], own_field.metadata.get("bounds"))
 
-    @fuzz_settings(2)
+    @fuzz_settings(2, fuzz_depth)
     @seed(SEED)
     @given(bad=values, as_block=st.booleans())
     def refused(bad: Bad, as_block: bool) -> None:

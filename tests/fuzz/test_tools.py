@@ -65,12 +65,12 @@ def tool_examples(draw, tool: str, reward_model: str) -> Example:
     return example
 
 
-CI_EXAMPLES = {"plot": 15, "judge": 15, "human-eval": 10}
+FULL_EXAMPLES = {"plot": 15, "judge": 15, "human-eval": 10}
 
 
-@pytest.mark.parametrize("tool", sorted(CI_EXAMPLES))
-def test_tools(tool, fuzz_models):
-    @fuzz_settings(CI_EXAMPLES[tool])
+@pytest.mark.parametrize("tool", sorted(FULL_EXAMPLES))
+def test_tools(tool, fuzz_models, fuzz_depth):
+    @fuzz_settings(FULL_EXAMPLES[tool], fuzz_depth)
     @seed(SEED)
     @given(example=tool_examples(tool, str(fuzz_models["reward"])))
     def fuzz(example: Example) -> None:

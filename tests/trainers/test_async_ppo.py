@@ -21,6 +21,7 @@ from marlhf.trainers.staleness import RolloutRequest, StaleRollouts, behaviour_v
 from marlhf.trainers.ppo import train_ppo
 from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 from tests.reference import random_batch, segments_of_row
+from tests.sweeps import seeds
 from tests.trainers.killed_run import run_until_killed
 from tests.trainers.test_ppo import RECORDS, _config, _metrics_without_timings, count_e
 
@@ -56,7 +57,7 @@ def _stale_batch(seed: int, batch: int = 9, width: int = 13):
     return mask, prox, behav, new, rewards, values, g
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3))
 @pytest.mark.parametrize("correction", ["decoupled", "tis"])
 @pytest.mark.parametrize("cap", [None, 1.5])
 @pytest.mark.parametrize("granularity", ["macro", "token"])

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from marlhf.logging_utils import read_metrics
+from tests.sweeps import sweep
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "tests" / "trainers" / "ppo_data_parallel_run.py"
@@ -80,8 +81,10 @@ def two_process_run(tmp_path_factory):
 # prefix_tree: no critic, each group's tree from the gathered token ids of all rows.
 # The reinforce runs sample with sampling_noise='counter_hash', the others with one generator per row.
 # fsdp: the policy and the critic sharded across the 2 processes (the run checks that they were).
-@pytest.fixture(scope="module", params=[("gae", "ddp"), ("reinforce", "ddp"), ("prefix_tree", "ddp"), ("gae", "fsdp")],
-                ids="-".join)
+# gae under fsdp runs by default (the trainer's cross-rank reductions are DDP's, and the sharding on top); the rest
+# under -m slow.
+@pytest.fixture(scope="module", params=sweep([("gae", "fsdp"), ("gae", "ddp"), ("reinforce", "ddp"),
+                                              ("prefix_tree", "ddp")]), ids="-".join)
 def runs(request, one_process_run, two_process_run):
     advantage, sharding = request.param
     return one_process_run(advantage), two_process_run(advantage, sharding)
@@ -122,7 +125,7 @@ def test_the_update_changed_the_policy(runs, tiny_tokenizer):
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (optional; pip install --no-build-isolation deepspeed==0.19.8)")
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+@pytest.mark.parametrize("zero", sweep(["zero2", "zero3"]))
 def test_deepspeed_trains_policy_and_critic_like_ddp(two_process_run, zero):
     """2 processes under ZeRO-2 / ZeRO-3 (configs/accelerate/deepspeed_zero<N>.yaml's settings, float32 on CPU),
     each model stepped by its own engine, against 2 processes under DDP: same samples, so the same policy up to
@@ -158,6 +161,7 @@ def test_checkpoints_under_deepspeed_are_an_error(tmp_path):
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
 
 
+@pytest.mark.slow  # two more launches; by default: resume in one process (test_ppo.py), FSDP training above
 def test_fsdp_run_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(two_process_run, tmp_path,
                                                                                   tiny_tokenizer):
     """2 processes, FSDP2: step 1 saved (a collective gather of weights and optimizer states), then a second
