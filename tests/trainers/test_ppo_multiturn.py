@@ -35,7 +35,8 @@ def _argv(tmp_path, model_dir, output_dir, *extra: str) -> list[str]:
             "--output_dir", str(output_dir), "--per_device_batch_size", "2", "--num_samples_per_prompt", "2",
             "--mini_batch_size", "4", "--max_prompt_length", "32", "--max_response_length", "8", "--max_length", "128",
             "--max_turns", "3", "--max_turn_tokens", "4", "--max_response_tokens", "48", "--max_steps", "2",
-            "--save_steps", "0", "--learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--seed", "3", *extra]
+            "--save_steps", "0", "--learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--warmup_ratio", "0",
+            "--lr_scheduler", "constant", "--seed", "3", *extra]
 
 
 @pytest.mark.parametrize("combination", sorted(COMBINATIONS))
@@ -44,7 +45,8 @@ def test_the_example_environment_trains_two_steps(tmp_path, tiny_model_dir, comb
     assert cli.main(_argv(tmp_path, tiny_model_dir, output_dir, *COMBINATIONS[combination])) == 0
     metrics = read_metrics(output_dir)
     assert [m["step"] for m in metrics] == [1, 2]
-    assert all(m["env/episodes"] == 4 for m in metrics)
+    assert all(m["env/episodes"] == 4 and m["env/observation_tokens"] > 0 for m in metrics)
+    assert metrics[0]["objective/kl"] == 0 != metrics[1]["objective/kl"]  # step 1's update moved the policy
     assert (output_dir / "model.safetensors").exists()
 
 
