@@ -56,6 +56,11 @@ class Experience:
         rollout_logprobs: float [B, T] or None, the engine's own sampling log-probs, kept beside the trainer's
             `logprobs` when something compares them (`PPOConfig.compares_rollout_logprobs`: the
             rollout/logprob_diff metrics, truncated importance sampling)
+      multi-turn episodes (`--env`, marlhf.trainers.episodes; one a row, docs/multiturn.md), else None:
+        action_mask: bool [B, T], the tokens the policy sampled (`response_mask`: every real token, actions and
+            observations, what the forwards attend to); turn_ids: long [B, T], each action token's turn, -1 elsewhere;
+        turn_rewards: float [B, K], the environment's reward of each turn; turn_state_ids: long [B, K], the state
+            before each turn (-1 past an episode's turns); env_metrics: the rollout's env/* metrics ({} without)
     Stage 3 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
     Stage 4 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
     Stage 5 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
@@ -87,13 +92,18 @@ class Experience:
     returns: torch.Tensor | None = None
     continuation_tokens: int | None = None
     update_stats: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    action_mask: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
+    turn_state_ids: torch.Tensor | None = None
+    env_metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
     _PROMPT_COLUMNS = ("prompt_ids", "prompt_mask")
     _RESPONSE_COLUMNS = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "values", "attached_logprobs",
                          "attached_values", "rollout_logprobs", "entropy", "rewards", "segment_ids", "advantages",
-                         "returns")
-    _ROWS = ("scores",)
+                         "returns", "action_mask", "turn_ids")
+    _ROWS = ("scores", "turn_rewards", "turn_state_ids")
     _HOST_ROWS = ("prompt_rows", "prompt_lengths", "response_lengths")
 
     def select(self, rows: list[int]) -> Experience:
@@ -124,6 +134,12 @@ class Experience:
         for number, piece in enumerate(pieces):
             piece_rows = [rows[i] for i in piece]
             yield number == len(pieces) - 1, piece_rows, self.select(piece_rows).trimmed()
+
+    @property
+    def actions(self) -> torch.Tensor:
+        """bool [B, T]: the tokens the policy sampled, what the losses, the KL and the advantages are over (the
+        response mask in a single-turn row; with gaps on a multi-turn episode's observations)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt_ids, prompt_mask, response_ids, response_mask): what the policy and critic forwards take."""

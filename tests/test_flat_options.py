@@ -91,12 +91,14 @@ def test_a_flat_option_goes_to_its_plugin(name):
 # A valid setting of each block's options away from their defaults (max_staleness > 0 needs a rollout worker).
 BLOCK_VALUES = {"async_rollout": {"max_staleness": 2, "rollout_workers": 3, "rollout_worker_threads": 2,
                                   "rollout_worker_timeout": 30.0},
-                "kl_control": {"kl_target": 6.0, "kl_horizon": 5000, "kl_coef_max": 2.0}}
+                "kl_control": {"kl_target": 6.0, "kl_horizon": 5000, "kl_coef_max": 2.0},
+                "multi_turn": {"max_turns": 3, "max_turn_tokens": 16, "max_response_tokens": 96, "step_timeout": 2.5,
+                               "env_errors": "raise", "observation_separator": "|"}}
 
 
 def test_the_blocks_of_no_plugin_kind():
     assert set(BLOCK_VALUES) == set(BLOCKS) and set(BLOCK_OPTIONS) == {n for v in BLOCK_VALUES.values() for n in v}
-    assert len([f for f in PPOConfig.field_names() if f not in PPOConfig.__mro__[1].__dataclass_fields__]) <= 40
+    assert len([f for f in PPOConfig.field_names() if f not in PPOConfig.__mro__[1].__dataclass_fields__]) <= 43
     for kind, values in BLOCK_VALUES.items():
         config = PPOConfig(**values)
         assert getattr(config, f"{kind}_options") == values  # their home: the block

@@ -15,35 +15,30 @@ place that stamps the step's clock, and the stages follow in the order it calls 
 takes the step's `Experience` (marlhf.rollout) and returns a copy with what it adds:
   1. `sample`: `num_samples_per_prompt` responses per prompt from the rollout engine (marlhf.engines);
   2. `score`: log-probs of policy and reference, critic values, one score per response (and entropy if read);
+     with `env`, 1. and 2. run episodes of an environment, one a row (marlhf.trainers.episodes), and the later
+     stages read their action tokens only (`Experience.actions`; docs/multiturn.md);
   3. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
-  4. `macro_actions`: segment the responses with the termination rule (marlhf.termination: fixed /
-     randomized n-grams, perplexity, parsing, word, low_prob, or one of yours);
-  5. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`advantage="gae"`;
-     `termination="fixed", ngram=1` is token-level PPO), or a critic-free estimator on the summed reward
-     ("rloo", "grpo", "reinforce"; per token "prefix_tree", "entropy_weighted"; "mc_segment" from Monte-Carlo
-     continuations; "gigpo" over multi-turn episodes), optionally kept only on low-probability tokens
-     (`advantage_mask_threshold`, SPO's mask);
-  6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default
-     the clipped surrogate with one ratio per segment, also for the critic-free estimators: `ngram=None`
-     gives a sequence-level ratio, `ngram=1` token-level ratios as in TRL's GRPO), clipped value loss on
+  4. `macro_actions`: segment the responses with the termination rule (marlhf.termination);
+  5. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`termination="fixed",
+     ngram=1` is token-level PPO), or a critic-free one ("rloo", "grpo", "reinforce", "prefix_tree",
+     "entropy_weighted", "mc_segment", "gigpo"), optionally kept only on low-probability tokens (SPO's mask);
+  6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default the
+     clipped surrogate with one ratio per segment, also for the critic-free estimators), clipped value loss on
      segment values; then `adapt_kl_coef` under `kl_target`;
   7. `step_metrics`, checkpoint.
 Beside the step, in their own modules: the asynchronous rollouts (marlhf.trainers.staleness), the token budget
 (marlhf.trainers.token_budget) and the Monte-Carlo continuations (marlhf.trainers.continuations).
 
-Defaults follow the paper (docs/algorithm.md) but two: a macro action's value is the value of the state where it
-starts (`value_weighting="first"`), as the credit-assignment study's pre-registered rule decided (Study I,
-benchmarks/results/credit_assignment/README.md; `value_weighting="equal"` is the paper's), and `lam=1`, Study
-II's tuned lambda for token-level PPO and MA-PPO alike (benchmarks/results/credit_assignment_lambda/README.md; the
-paper's is 0.95). `ratio_granularity`, `segment_reward`, `last_token_own_segment` and `rm_score_clip` reproduce
-the released code's choices instead; `segment_weighting` offers the study's alternatives of the policy loss.
+Defaults follow the paper (docs/algorithm.md) but two: `value_weighting="first"` (a macro action's value is that of
+the state where it starts; Study I's pre-registered rule, benchmarks/results/credit_assignment/README.md) and
+`lam=1` (Study II's, benchmarks/results/credit_assignment_lambda/README.md). `ratio_granularity`, `segment_reward`,
+`last_token_own_segment` and `rm_score_clip` reproduce the released code's choices instead.
 
-Data parallel (Accelerate): each process samples responses to its own prompts, every response from its own
-random stream keyed by (seed, step, row among all processes' rows); baselines, whitening and the loss's
-token normalisation span all processes. So N processes with P prompts each train like one process with
-N x P prompts (exactly so when a step makes one update), and a resumed run samples what the uninterrupted
-one sampled. Under DeepSpeed (ZeRO-2/3) policy and critic get an engine each, and each engine runs its own
-backward and steps once per mini-batch (marlhf.trainers.common.backward, optimizer_step).
+Data parallel (Accelerate): each process samples its own prompts, every response from its own random stream keyed
+by (seed, step, row among all processes' rows); baselines, whitening and the loss's token normalisation span all
+processes, so N processes with P prompts each train like one with N x P (exactly so with one update a step), and a
+resumed run samples what the uninterrupted one sampled. Under DeepSpeed (ZeRO-2/3) policy and critic get an engine
+each, which runs its own backward and steps once per mini-batch (marlhf.trainers.common.backward, optimizer_step).
 """
 
 from __future__ import annotations
@@ -74,6 +69,7 @@ from marlhf.trainers.common import (accumulation_context, backward, device_clock
                                     maybe_save_checkpoint, optimizer_step, own_rows, random_states_kept,
                                     records_from_config, save_final_model)
 from marlhf.trainers.continuations import run_continuations
+from marlhf.trainers.episodes import sample_and_score_episodes
 from marlhf.trainers.ppo_config import PPOConfig
 from marlhf.trainers.ppo_setup import Plugins, PPORun, build_models, mixed_seed, start_ppo_run
 from marlhf.trainers.staleness import RolloutRequest, StaleRollouts
@@ -143,9 +139,12 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
         while goes_on(config, run.generated_tokens, step, plan.total_steps):
             clock = {"start": device_clock(device)}  # each stage's end: the time/ metrics
             rows, request = _rollout_request(run, step)
-            generation = sample(run, step, request)  # 1.
-            clock["generation"] = device_clock(device)
-            experience = score(run, step, rows, request, generation)  # 2.
+            if config.env is None:
+                generation = sample(run, step, request)  # 1.
+                clock["generation"] = device_clock(device)
+                experience = score(run, step, rows, request, generation)  # 2.
+            else:  # 1. and 2. on the episodes of an environment
+                experience = sample_and_score_episodes(run, step, rows, request, clock)
             clock["scoring"] = device_clock(device)
             experience = per_token_rewards(run, experience)  # 3.
             experience = macro_actions(run, experience)  # 4.
@@ -184,15 +183,15 @@ def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]
     # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
     first_row = accelerator.process_index * config.rollout_size
     row_seeds = [mixed_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
-    return rows, RolloutRequest(prompt_ids.to(accelerator.device), prompt_mask.bool().to(accelerator.device),
-                                row_seeds)
+    device = accelerator.device
+    return rows, RolloutRequest(prompt_ids.to(device), prompt_mask.bool().to(device), row_seeds)
 
 
 # ---------------------------------------------------------------------------------------------- the stages
 def sample(run: PPORun, step: int, request: RolloutRequest) -> Generation:
-    """Stage 1: the step's responses (the samples of one prompt are consecutive rows), from the engine here with
-    this step's policy, or from the rollout workers (sampled by policy version max(start, step - max_staleness)).
-    The engine's own log-probs come with them when anything keeps them (`score`)."""
+    """Stage 1: the step's responses (a prompt's samples in consecutive rows), from the engine here with this step's
+    policy or from the rollout workers (policy version max(start, step - max_staleness)), with the engine's own
+    log-probs when anything keeps them (`score`)."""
     config, accelerator = run.config, run.accelerator
     run.train(False)  # generate with the KV cache (train mode with gradient checkpointing turns it off)
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
@@ -211,11 +210,10 @@ def sample(run: PPORun, step: int, request: RolloutRequest) -> Generation:
 
 
 def score(run: PPORun, step: int, rows: list[int], request: RolloutRequest, generation: Generation) -> Experience:
-    """Stage 2: the step's `Experience`: the responses scored (marlhf.rollout.score_responses). The policy's
-    log-probs come from a forward now, or from the sampling pass (old_logprobs_from='sampling'); when one update
-    reuses the rollout's forwards (`reuses_rollout_forward`), policy log-probs and critic values are computed
-    with gradients and kept (`attached_*`). The engine's log-probs are kept beside the trainer's when something
-    compares them."""
+    """Stage 2: the step's `Experience`, the responses scored (marlhf.rollout.score_responses). The policy's
+    log-probs from a forward now, or from the sampling pass (old_logprobs_from='sampling'); with one update
+    (`reuses_rollout_forward`) the policy's and critic's forwards keep their gradients (`attached_*`); the engine's
+    log-probs are kept beside the trainer's when something compares them."""
     config, accelerator = run.config, run.accelerator
     batch = (request.prompt_ids, request.prompt_mask, generation.response_ids, generation.response_mask)
     with_entropy = run.plugins.estimator.reads_entropy  # from the policy's forward (PPOConfig.validate)
@@ -241,11 +239,11 @@ def score(run: PPORun, step: int, rows: list[int], request: RolloutRequest, gene
 
 def per_token_rewards(run: PPORun, experience: Experience) -> Experience:
     """Stage 3: the KL-penalised per-token rewards (without a reference the penalty is 0: kl_coef is 0), from
-    the scores clipped to rm_score_clip if set."""
-    logprobs, ref_logprobs = experience.logprobs, experience.ref_logprobs
-    rewards = kl_penalized_rewards(run.clipped(experience.scores), logprobs,
-                                   ref_logprobs if ref_logprobs is not None else logprobs, experience.response_mask,
-                                   run.kl_coef)
+    the scores (an episode's: one per turn) clipped to rm_score_clip if set."""
+    e, turn_ids = experience, experience.turn_ids
+    scores = run.clipped(e.scores if turn_ids is None else e.turn_rewards)
+    rewards = kl_penalized_rewards(scores, e.logprobs, e.ref_logprobs if e.ref_logprobs is not None else e.logprobs,
+                                   e.actions, run.kl_coef, turn_ids=turn_ids)
     return dataclasses.replace(experience, rewards=rewards, kl_coef=run.kl_coef)
 
 
@@ -257,7 +255,8 @@ def macro_actions(run: PPORun, experience: Experience) -> Experience:
     batch = SegmentationBatch(experience.response_ids, mask, experience.ref_logprobs, run.tokenizer, rule.options,
                               seed=mixed_seed(config.seed, experience.step),
                               gather_rows=lambda x: gather_rows(accelerator, x),
-                              own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs)
+                              own_rows=lambda x: own_rows(accelerator, x, like=mask), logprobs=experience.logprobs,
+                              turn_ids=experience.turn_ids)  # mask: every real token, cut at turns (docs/multiturn.md)
     segment_ids, stats = segment(rule.plugin, batch)
     if config.last_token_own_segment:
         segment_ids = split_last_token(segment_ids, mask)
@@ -270,14 +269,15 @@ def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
     would move the zeros). Batch statistics (baselines, whitening) are taken over the rows of all processes. An
     estimator that continues prefixes (`continue_and_score`) does so here, with the rollout's weights
     (marlhf.trainers.continuations); its continuation tokens are kept for the metrics."""
-    config, accelerator, mask = run.config, run.accelerator, experience.response_mask
+    config, accelerator, mask = run.config, run.accelerator, experience.actions
     estimator = run.plugins.estimator
     continuations = run_continuations(run, experience)
     advantages, returns = estimator(AdvantageBatch(
         experience.rewards, experience.values, mask, experience.segment_ids, estimator.options,
         num_samples_per_prompt=config.num_samples_per_prompt, value_weighting=config.value_weighting,
         gather_rows=lambda x: gather_rows(accelerator, x), own_rows=lambda x: own_rows(accelerator, x, like=mask),
-        response_ids=experience.response_ids, entropy=experience.entropy, continue_and_score=continuations))
+        response_ids=experience.response_ids, entropy=experience.entropy, continue_and_score=continuations,
+        turn_ids=experience.turn_ids, turn_state_ids=experience.turn_state_ids))
     if config.whiten_advantages:
         all_advantages = whiten(gather_rows(accelerator, advantages), gather_rows(accelerator, mask))
         advantages = own_rows(accelerator, all_advantages, like=mask)
@@ -285,14 +285,14 @@ def estimate_advantages(run: PPORun, experience: Experience) -> Experience:
         advantages = low_prob_advantage_mask(advantages, experience.logprobs, mask, config.advantage_mask_threshold)
     return dataclasses.replace(experience, advantages=advantages, returns=returns,
                                continuation_tokens=continuations.tokens if continuations.calls else None)
-def ppo_update(run: PPORun, experience: Experience) -> Experience:
-    """Stage 5: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
-    step of policy (and critic) per mini-batch; during the critic warm-up (`critic_warmup_steps`) the critic alone.
-    Keeps each loss statistic per piece (`update_stats`).
 
-    No device read inside the pieces: the inputs are checked once here and the pieces' sizes come from host
-    lengths; each optimizer step reads one number, the finite-update guard's gradient norm (a NaN or inf one
-    skips the step)."""
+
+def ppo_update(run: PPORun, experience: Experience) -> Experience:
+    """Stage 6: PPO epochs over shuffled mini-batches, each split into length-sorted pieces; one optimizer
+    step of policy (and critic) per mini-batch; during the critic warm-up (`critic_warmup_steps`) the critic alone.
+    Keeps each loss statistic per piece (`update_stats`). No device read inside the pieces: the inputs are checked
+    once here and the pieces' sizes come from host lengths; each optimizer step reads one number, the finite-update
+    guard's gradient norm (a NaN or inf one skips the step)."""
     config = run.config
     train_policy = experience.step >= config.critic_warmup_steps
     _check_update_inputs(experience)
@@ -325,7 +325,7 @@ def _mini_batch_loss_units(run: PPORun, experience: Experience, rows: list[int])
     Only the mask and segment ids are indexed: the other fields are not needed here."""
     config, accelerator = run.config, run.accelerator
     index = torch.tensor(rows, device=experience.response_mask.device)
-    mask, segment_ids = experience.response_mask[index], experience.segment_ids[index]
+    mask, segment_ids = experience.actions[index], experience.segment_ids[index]
     totals = {}
     if run.critic is not None:
         totals["value"] = accelerator.reduce(loss_units(mask, None, "tokens", config.loss_agg_mode), reduction="sum")
@@ -340,7 +340,7 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
     piece's share of the mini-batch's loss units. The piece's forwards are the rollout's own when they were
     kept with gradients (one update per step), else run now."""
     config, accelerator, policy, critic = run.config, run.accelerator, run.policy, run.critic
-    mask, processes = piece.response_mask, accelerator.num_processes
+    mask, processes = piece.actions, accelerator.num_processes
     stats = {}
     if train_policy:
         policy_loss = run.plugins.policy_loss
@@ -373,9 +373,8 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
 
 
 def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
-    """After a step under `kl_target`: move the KL coefficient with the step's KL over all processes' responses
-    (one read to the host per step)."""
-    row_kl = torch.where(experience.response_mask, experience.logprobs - experience.ref_logprobs, 0.0).sum(1)
+    """After a step under `kl_target`: move the KL coefficient with the step's KL, over all processes' rows."""
+    row_kl = torch.where(experience.actions, experience.logprobs - experience.ref_logprobs, 0.0).sum(1)
     policy_lr = next(u for u in run.updaters if u.role == "policy").optimizer.param_groups[0]["lr"]
     run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item(), policy_lr)
 
@@ -383,7 +382,7 @@ def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
 def step_metrics(run: PPORun, experience: Experience, clock: dict[str, float]) -> dict[str, float]:
     """Stage 7: the step's metrics, reduced over processes (the one place a step reads values to the host); the
     time/ ones from the step's `clock` (when each stage ended, stamped by the loop)."""
-    e, mask, accelerator = experience, experience.response_mask, run.accelerator
+    e, mask, accelerator = experience, experience.actions, run.accelerator
     # KL (with a reference) and entropy: sample estimates summed over each response's tokens, averaged over
     # responses.
     metrics = {} if e.ref_logprobs is None else {
@@ -418,6 +417,7 @@ def step_metrics(run: PPORun, experience: Experience, clock: dict[str, float]) -
         metrics.update(run.rollouts.metrics)
     metrics.update({f"macro/{name}": value for name, value in e.segmentation_stats.items()})
     metrics.update({f"rewards/{name}": value for name, value in getattr(run.reward_fn, "last_means", {}).items()})
+    metrics.update(e.env_metrics)
     metrics = reduce_metrics(metrics, accelerator)
     if run.kl_control is not None:
         metrics["objective/kl_coef"] = e.kl_coef
@@ -441,8 +441,8 @@ def _attached_forwards(run: PPORun, batch: tuple[torch.Tensor, ...], with_entrop
 
 def _check_update_inputs(experience: Experience) -> None:
     """What the update's pieces slice, checked once per step: the pieces then skip the value checks."""
-    mask = experience.response_mask
-    check_mask(mask, "response_mask")
+    mask, gaps = experience.actions, experience.action_mask is not None  # gaps: a multi-turn episode's observations
+    check_mask(mask, "action_mask" if gaps else "response_mask", gaps=gaps)
     check_segment_ids(experience.segment_ids, mask)
     for name in ("logprobs", "values", "advantages", "returns"):
         if getattr(experience, name) is not None:

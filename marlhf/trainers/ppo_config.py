@@ -41,6 +41,7 @@ from marlhf.engines.hf import HFOptions
 from marlhf.engines.worker import AsyncRolloutOptions
 from marlhf.kl_control import AdaptiveKLController, AdaptiveKLOptions
 from marlhf.losses import LossAggregation, check_loss_options
+from marlhf.multiturn import MultiTurnOptions
 from marlhf.plugins import Plugin, Registry
 from marlhf.policy_losses.ppo import ClippedOptions
 from marlhf.run_config import TrainingConfig
@@ -52,7 +53,8 @@ PLUGINS: dict[str, Registry] = {"termination": termination.REGISTRY, "advantage"
                                 "policy_loss": policy_losses.REGISTRY, "rollout_engine": engines.REGISTRY}
 
 # The option blocks of no plug-in kind, {kind: the dataclass declaring its options}, each held in `<kind>_options`.
-BLOCKS: dict[str, type] = {"kl_control": AdaptiveKLOptions, "async_rollout": AsyncRolloutOptions}
+BLOCKS: dict[str, type] = {"kl_control": AdaptiveKLOptions, "async_rollout": AsyncRolloutOptions,
+                           "multi_turn": MultiTurnOptions}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +260,17 @@ class PPOConfig(TrainingConfig):
         None, "the asynchronous rollouts' options (marlhf.engines.worker.AsyncRolloutOptions), a YAML mapping such "
               "as '{max_staleness: 1, rollout_workers: 1}' (each is also a flag, below)")
 
+    # Multi-turn environments (marlhf.envs, marlhf.multiturn; docs/multiturn.md).
+    env: str | None = option(
+        None, "train on episodes of this environment (marlhf.envs): a registered name, package.module:Class or "
+              "path/to/file.py:Class; each step's episodes start from env.reset(seed, task), task = the dataset "
+              "record; the score is the environment's rewards (none: single-turn prompts)")
+    env_options: dict[str, Any] | None = option(
+        None, "the environment's own options, a YAML mapping (what it registered with register_env)")
+    multi_turn_options: dict[str, Any] | None = option(
+        None, "the multi-turn rollout's limits (marlhf.multiturn.MultiTurnOptions), a YAML mapping such as "
+              "'{max_turns: 3}' (each is also a flag, below)")
+
     # LoRA (lora_r, lora_alpha, lora_target_modules: TrainingConfig).
     use_lora: bool = option(
         False, "train LoRA adapters on policy and critic; the reference is the policy with its adapters off "
@@ -275,6 +288,7 @@ class PPOConfig(TrainingConfig):
                                    "advantage_mask_threshold"),
         "losses": ("policy_loss", "policy_loss_options", "loss_agg_mode", "value_clip_range", "value_loss_granularity"),
         "asynchronous rollouts": ("async_rollout_options",),
+        "multi-turn environments": ("env", "env_options", "multi_turn_options"),
         "LoRA": ("use_lora", "lora_r", "lora_alpha", "lora_target_modules"),
     }
     RENAMED = {"rollout_logprobs": "old_logprobs_from"}
@@ -313,6 +327,7 @@ class PPOConfig(TrainingConfig):
             raise ValueError("logprob_temperature='raw' needs old_logprobs_from='recompute' (the sampling pass's "
                              "log-probs are under logits / temperature)")
         self._check_rollout_logprobs()
+        self._check_env()
         if self.plugin("advantage").reads_entropy and self.keeps_sampling_logprobs:
             raise ValueError(f"advantage={self.advantage!r} reads the policy's entropy at each token, which the "
                              "trainer's forward gives and old_logprobs_from='sampling' skips: use "
@@ -415,6 +430,29 @@ class PPOConfig(TrainingConfig):
     def async_rollout(self) -> AsyncRolloutOptions:
         """The asynchronous rollouts' options: async_rollout_options' values, their declared defaults for the rest."""
         return self.block_options("async_rollout")
+
+    @property
+    def multi_turn(self) -> MultiTurnOptions:
+        """The multi-turn rollout's limits: multi_turn_options' values, their declared defaults for the rest."""
+        return self.block_options("multi_turn")
+
+    def _check_env(self) -> None:
+        """--env runs episodes on the hf engine in this process, scored by the environment; the rest not yet."""
+        if self.env is None:
+            if self.env_options:
+                raise ValueError("env_options needs env (the environment they configure)")
+            return
+        refused = [name for name, used in (("rollout_workers", self.async_rollout.rollout_workers),
+                                           (f"rollout_engine={self.rollout_engine!r}", self.rollout_engine != "hf"),
+                                           ("reward_fns", self.reward_fns), ("reward='code'", self.reward == "code"),
+                                           (f"advantage={self.advantage!r}", self.advantage == "mc_segment"),
+                                           ("old_logprobs_from='sampling'", self.keeps_sampling_logprobs),
+                                           ("the engine's log-probs (log_rollout_logprob_diff, tis_cap)",
+                                            self.compares_rollout_logprobs))
+                   if used]
+        if refused:
+            raise ValueError(f"env={self.env!r} with {', '.join(refused)}: not yet (multi-turn training runs on the "
+                             "hf engine in the trainer's process, scored by the environment's rewards)")
 
     def block_options(self, kind: str) -> Any:
         """The options of the block of no plug-in kind `kind` (BLOCKS), as its dataclass."""

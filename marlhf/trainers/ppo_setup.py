@@ -167,6 +167,11 @@ def reward_source(config: PPOConfig, records: list[dict[str, Any]], reward_fn: R
     reward_weights), `reward_fns` by dotted path, the unit tests of each record (reward="code"), else the reward
     model (passed in, or loaded from reward_model_name_or_path). Returns (reward_fn, reward_model), one of them
     None."""
+    if config.env is not None:  # the environment's rewards score its episodes (marlhf.trainers.episodes)
+        if reward_fn is not None or reward_model is not None:
+            raise ValueError(f"env={config.env!r} scores episodes with the environment's rewards: pass no reward_fn "
+                             "or reward_model (not yet combined)")
+        return None, None
     if reward_fn is None and config.reward_fns:
         reward_fn = RewardFunctions.from_paths(config.reward_fns, config.reward_weights)
     elif isinstance(reward_fn, (list, tuple)):  # several functions from Python

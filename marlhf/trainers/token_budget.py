@@ -21,7 +21,7 @@ class GeneratedTokens:
 
     def add(self, accelerator: Accelerator, experience: Experience) -> int:
         """Count a step's tokens (one read to the host) and return the total so far."""
-        step = accelerator.reduce(experience.response_mask.sum(), reduction="sum").item()
+        step = accelerator.reduce(experience.actions.sum(), reduction="sum").item()  # sampled: no observation
         self.total += int(step) + (experience.continuation_tokens or 0) * accelerator.num_processes
         return self.total
 

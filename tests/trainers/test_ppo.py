@@ -103,7 +103,7 @@ def test_ngram_one_equals_token_level_ppo(tmp_path, make_tiny_causal_lm, tiny_to
     assert whole[0]["val/advantage_l2"] != pytest.approx(macro[0]["val/advantage_l2"])
     calls = []
 
-    def forced_token_gae(rewards, values, mask, segment_ids, gamma, lam, value_weighting, segment_reward):
+    def forced_token_gae(rewards, values, mask, segment_ids, gamma, lam, value_weighting, segment_reward, discount):
         calls.append(segment_ids)
         return token_gae(rewards, values, mask, gamma, lam)
 

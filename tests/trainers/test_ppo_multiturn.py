@@ -1,0 +1,125 @@
+"""`marlhf ppo --env`: PPO on episodes of an environment (docs/multiturn.md), the 20-line example environment
+tests/fixtures/guess_env.py trained through the command line with a tiny model, for each estimator combination."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from marlhf import cli
+from marlhf._checks import trusted_inputs
+from marlhf.checkpoint import list_checkpoints
+from marlhf.logging_utils import read_metrics
+from marlhf.segments import num_segments
+from marlhf.trainers import ppo
+from marlhf.trainers.ppo import PPOConfig
+from tests.trainers.killed_run import run_until_killed
+
+GUESS_ENV = "tests/fixtures/guess_env.py:GuessNumber"
+
+COMBINATIONS = {
+    "turn_ppo": ["--termination", "turn", "--advantage", "gae", "--value_weighting", "first"],
+    "token_ppo": ["--termination", "fixed", "--ngram", "1", "--advantage", "gae"],
+    "grpo": ["--advantage", "grpo", "--termination", "turn"],
+    "gigpo": ["--advantage", "gigpo", "--termination", "turn"],
+}
+
+
+def _argv(tmp_path, model_dir, output_dir, *extra: str) -> list[str]:
+    dataset = tmp_path / "tasks.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"game {i}"}) + "\n" for i in range(4)))
+    return ["ppo", "--env", GUESS_ENV, "--model_name_or_path", str(model_dir), "--dataset", str(dataset),
+            "--output_dir", str(output_dir), "--per_device_batch_size", "2", "--num_samples_per_prompt", "2",
+            "--mini_batch_size", "4", "--max_prompt_length", "32", "--max_response_length", "8", "--max_length", "128",
+            "--max_turns", "3", "--max_turn_tokens", "4", "--max_response_tokens", "48", "--max_steps", "2",
+            "--save_steps", "0", "--learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--warmup_ratio", "0",
+            "--lr_scheduler", "constant", "--seed", "3", *extra]
+
+
+@pytest.mark.parametrize("combination", sorted(COMBINATIONS))
+def test_the_example_environment_trains_two_steps(tmp_path, tiny_model_dir, combination):
+    output_dir = tmp_path / combination
+    assert cli.main(_argv(tmp_path, tiny_model_dir, output_dir, *COMBINATIONS[combination])) == 0
+    metrics = read_metrics(output_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/episodes"] == 4 and m["env/observation_tokens"] > 0 for m in metrics)
+    assert metrics[0]["objective/kl"] == 0 != metrics[1]["objective/kl"]  # step 1's update moved the policy
+    assert (output_dir / "model.safetensors").exists()
+
+
+def test_observation_tokens_carry_no_advantage_and_no_loss(tmp_path, tiny_model_dir, monkeypatch):
+    """The step's experience as the update gets it: no reward, advantage or return on an observation token, and
+    the update's gradients (policy and critic, through `_update_piece`) do not move when an observation token's
+    old log-prob, advantage, value and return change."""
+    captured = {}
+    update = ppo.ppo_update
+
+    def keep_first(run, experience):
+        captured.setdefault("run", run)
+        captured.setdefault("experience", experience)
+        return update(run, experience)
+
+    monkeypatch.setattr(ppo, "ppo_update", keep_first)
+    assert cli.main(_argv(tmp_path, tiny_model_dir, tmp_path / "run", *COMBINATIONS["turn_ppo"],
+                          "--max_steps", "1")) == 0
+    run, experience = captured["run"], captured["experience"]
+    observations = experience.response_mask & ~experience.action_mask
+    assert observations.any() and experience.action_mask.any()
+    for name in ("rewards", "advantages", "returns"):
+        assert not getattr(experience, name)[observations].any(), name
+    assert (experience.segment_ids[observations] == -1).all() and (experience.turn_ids[observations] == -1).all()
+    perturbed = dataclasses.replace(experience, **{
+        name: getattr(experience, name).masked_fill(observations, value)
+        for name, value in (("logprobs", -7.0), ("advantages", 5.0), ("values", 3.0), ("returns", -2.0))})
+    assert torch.equal(_update_gradients(run, experience), _update_gradients(run, perturbed))
+
+
+def _update_gradients(run, experience) -> torch.Tensor:
+    """The gradients of one update of all rows in one piece, policy's and critic's parameters flattened."""
+    rows = list(range(experience.response_ids.shape[0]))
+    for model in (run.policy, run.critic):
+        model.zero_grad(set_to_none=True)
+    num_slots = int(num_segments(experience.segment_ids).max())
+    with trusted_inputs():
+        ppo._update_piece(run, experience, ppo._mini_batch_loss_units(run, experience, rows), num_slots, True, True)
+    grads = [p.grad.flatten() for model in (run.policy, run.critic) for p in model.parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    return torch.cat(grads)
+
+
+def test_resume_latest_continues_an_episode_run(tmp_path, tiny_model_dir):
+    """Killed after step 2 with a checkpoint at step 1, `--resume latest` redoes step 2 as the uninterrupted run
+    did: each episode's seed is the row's (seed, step, row), not a draw of the process."""
+    argv = _argv(tmp_path, tiny_model_dir, tmp_path / "straight", *COMBINATIONS["turn_ppo"], "--save_steps", "1",
+                 "--save_total_limit", "1")
+    assert cli.main(argv) == 0
+    crashed = PPOConfig.from_arguments(cli.build_parser("ppo").parse_args(argv))
+    crashed = dataclasses.replace(crashed, output_dir=str(tmp_path / "crashed"))
+    run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", crashed,
+                     [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()],
+                     kill_after=2, work_dir=tmp_path)
+    assert list_checkpoints(tmp_path / "crashed") == [tmp_path / "crashed" / "checkpoint-1"]
+    assert cli.main([*argv, "--output_dir", str(tmp_path / "crashed"), "--resume", "latest"]) == 0
+    resumed, straight = (_without_timings(tmp_path / name) for name in ("crashed", "straight"))
+    assert [m["step"] for m in resumed] == [1, 2] and resumed == straight
+
+
+def _without_timings(output_dir) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "env/step_seconds", "env/generate_seconds"))}
+            for m in read_metrics(output_dir)]
+
+
+@pytest.mark.parametrize(("options", "refused"), [
+    ({"rollout_workers": 1}, "rollout_workers"), ({"rollout_engine": "vllm"}, "rollout_engine='vllm'"),
+    ({"rollout_engine": "vllm_server"}, "rollout_engine='vllm_server'"),
+    ({"reward_fns": ("tests.rewards.test_functions:count_e",)}, "reward_fns"),
+    ({"advantage": "mc_segment"}, "advantage='mc_segment'"), ({"old_logprobs_from": "sampling", "ppo_epochs": 2},
+                                                              "old_logprobs_from='sampling'")])
+def test_what_env_does_not_run_yet_is_refused_in_one_line(options, refused):
+    with pytest.raises(ValueError, match=rf"^env='{GUESS_ENV}' with {refused}: not yet \(multi-turn training"):
+        PPOConfig(env=GUESS_ENV, **options)
+    with pytest.raises(ValueError, match="^env_options needs env"):
+        PPOConfig(env_options={"turns": 2})
