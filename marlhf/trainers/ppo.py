@@ -19,7 +19,7 @@ takes the step's `Experience` (marlhf.rollout) and returns a copy with what it a
      stages read their action tokens only (`Experience.actions`; docs/multiturn.md);
   3. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
   4. `macro_actions`: segment the responses with the termination rule (marlhf.termination);
-  5. `estimate_advantages` with the estimator (marlhf.estimators): GAE over segments (`termination="fixed",
+  5. `estimate_advantages` with the estimator (marlhf.estimators): "gae" over segments (`termination="fixed",
      ngram=1` is token-level PPO), or a critic-free one ("rloo", "grpo", "reinforce", "prefix_tree",
      "entropy_weighted", "mc_segment", "gigpo"), optionally kept only on low-probability tokens (SPO's mask);
   6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default the
