@@ -431,7 +431,7 @@ def costs(design: Design, results: dict) -> dict:
 def learning_rate_multiplier(step: int, planned: int) -> float:
     """The learning rate's multiplier at 0-based optimizer step `step` of a run planned over `planned` steps, as
     the trainer's scheduler gives it (the demo's: warm-up then cosine, held at its last value past the plan)."""
-    from marlhf.config import TrainingConfig
+    from marlhf.run_config import TrainingConfig
     from marlhf.trainers.common import make_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
