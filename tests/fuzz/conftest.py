@@ -44,6 +44,9 @@ def no_runs(monkeypatch):
     def started(*args, **kwargs):
         raise Started("a run started on an invalid input")
 
+    # The demo's pipeline binds the trainers by name when it is first imported: imported under the patches below, it
+    # would keep `started` for the rest of the process (a later demo test on the same xdist worker then fails).
+    importlib.import_module("marlhf.demo.pipeline")
     for module, _, function, _ in cli.COMMANDS.values():
         monkeypatch.setattr(importlib.import_module(module), function, started)
     monkeypatch.setattr("marlhf.demo.pipeline.run_demo", started)
