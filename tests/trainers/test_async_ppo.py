@@ -214,8 +214,10 @@ def test_resume_regenerates_the_batches_in_flight_none_lost_none_used_twice(tmp_
     run_until_killed("marlhf.trainers.ppo", "PPOConfig", "train_ppo", config, RECORDS, kill_after=3, work_dir=tmp_path)
     log = tmp_path / "run" / "rollout_worker_0.log"
     first_pid = int(log.read_text().split("pid ")[1].split(",")[0])
-    assert [line.split(":")[0] for line in log.read_text().splitlines() if line.startswith("request")][:5] == \
-        [f"request {i}" for i in range(5)]  # asked up to step 3 + 2 before the kill
+    # The worker logs a request when its batch is done: batches 3 and 4 were asked for, and may or may not have
+    # finished before the kill (a race CI once lost when this asserted both).
+    done_before_kill = [line.split(":")[0] for line in log.read_text().splitlines() if line.startswith("request")]
+    assert 3 <= len(done_before_kill) <= 5 and done_before_kill == [f"request {i}" for i in range(len(done_before_kill))]
     deadline = time.monotonic() + 15
     while Path(f"/proc/{first_pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
