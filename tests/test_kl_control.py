@@ -79,3 +79,18 @@ def test_in_ppo_the_coefficient_waits_for_the_policy_to_train(tmp_path, make_tin
     metrics = read_metrics(tmp_path / "ppo")
     assert [m["objective/kl"] for m in metrics[:3]] == [0.0, 0.0, 0.0]
     assert [m["objective/kl_coef"] for m in metrics] == [0.1, 0.1, 0.1, pytest.approx(0.1 * (1 - 0.2 * 4 / 10))]
+
+
+def test_in_ppo_the_coefficient_waits_for_the_critic_warmup_without_a_learning_rate_warmup(
+        tmp_path, make_tiny_causal_lm, tiny_tokenizer):
+    """No learning-rate warmup: the policy's rate is above 0 from step 1, but the policy does not train before step
+    3 (critic_warmup_steps 2), so the coefficient moves first after step 2, for step 3's update."""
+    from marlhf.logging_utils import read_metrics
+    from marlhf.trainers.ppo import train_ppo
+    from tests.trainers.test_ppo import RECORDS, _config, count_e
+
+    config = _config(tmp_path, max_steps=4, kl_coef=0.1, kl_target=0.5, kl_horizon=10, critic_warmup_steps=2,
+                     warmup_steps=0)
+    train_ppo(config, RECORDS, policy=make_tiny_causal_lm(), tokenizer=tiny_tokenizer, reward_fn=count_e)
+    metrics = read_metrics(tmp_path / "ppo")
+    assert [m["objective/kl_coef"] for m in metrics[:3]] == [0.1, 0.1, pytest.approx(0.1 * (1 - 0.2 * 4 / 10))]

@@ -373,9 +373,13 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
 
 
 def adapt_kl_coef(run: PPORun, experience: Experience) -> None:
-    """After a step under `kl_target`: move the KL coefficient with the step's KL, over all processes' rows."""
+    """After a step under `kl_target`: move the KL coefficient with the step's KL, over all processes' rows. The
+    coefficient acts through the policy's next update: none while the critic warms up (a rate of 0 to the
+    controller, which then stays)."""
     row_kl = torch.where(experience.actions, experience.logprobs - experience.ref_logprobs, 0.0).sum(1)
     policy_lr = next(u for u in run.updaters if u.role == "policy").optimizer.param_groups[0]["lr"]
+    if experience.step + 1 < run.config.critic_warmup_steps:
+        policy_lr = 0.0
     run.kl_control.update(run.accelerator.gather(row_kl).float().mean().item(), policy_lr)
 
 
