@@ -21,7 +21,7 @@ class GiGPOOptions:
     step_advantage_w: float = option(1.0, "weight of the step-level (anchor-state) advantage (the authors': 1)", ge=0)
     gigpo_mode: GiGPOMode = option(
         "mean_norm", "mean_norm: minus the group mean (the authors' code's default); mean_std_norm: also divided by "
-                     "the group's std (the paper's text)")
+                     "the group's std (one of the two factors the paper's text allows)")
     episode_statistics: EpisodeStatistics = option(
         "steps", "episode-level group mean and std over the group's steps, an episode counted once per turn (the "
                  "authors' code), or over its episodes, each once (the paper's text)")
