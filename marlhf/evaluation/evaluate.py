@@ -85,7 +85,7 @@ class EvaluateConfig(ConfigBase):
     env: str | None = option(
         None, "evaluate episodes of this environment (marlhf.envs: reasoning_gym:NAME, textarena:ID, skyrl_gym:ID, "
               "a registered name, package.module:Class, path/to/file.py:Class) played by the policy: success rate "
-              "and mean return with 95% intervals (and pass@k), no reward model")
+              "and mean return with their intervals (and pass@k), no reward model")
     env_options: dict[str, Any] | None = option(None, "the environment's own options, a YAML mapping")
     multi_turn_options: dict[str, Any] | None = option(
         None, "the episodes' limits (marlhf.multiturn.MultiTurnOptions), a YAML mapping such as '{max_turns: 3}'")
