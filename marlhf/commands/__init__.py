@@ -29,7 +29,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "ppo": ("marlhf.trainers.ppo", "PPOConfig", "train_ppo",
             "PPO / MA-PPO with macro actions (and the critic-free baselines)"),
     "evaluate": ("marlhf.evaluation.evaluate", "EvaluateConfig", "run_evaluation",
-                 "reward-model scores on validation prompts, checkpoint comparison, best-of-N, APPS pass@k"),
+                 "reward-model scores on validation prompts, checkpoint comparison, best-of-N, APPS pass@k, "
+                 "episodes of an environment"),
 }
 
 # the file-based evaluation tools, the embedded demo and the rollout server

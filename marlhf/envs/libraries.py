@@ -50,3 +50,4 @@ def library_plugin(spec: str) -> Any:
     if not identifier:
         raise ValueError(f"env {spec!r} names no environment of {library}: write {library}:ID")
     return importlib.import_module(LIBRARIES[library].adapter).plugin(identifier)
+

@@ -4,7 +4,8 @@ SkyRL-Gym environments speak chat messages and reward every turn: `init(prompt)`
 `step(action)` the next ones (tool output, a follow-up question), the turn's reward and `done`. The task of an
 episode is a record of a SkyRL dataset, `{"prompt": [messages], "env_class": ..., "reward_spec": {"ground_truth":
 ...}, "extra_info": {...}}`: the environment is made per episode from the record's fields other than the prompt
-and env_class (SkyRL's `extras`), and its first observation is the record's prompt. `done` ends the episode
+and env_class (SkyRL's `extras`), and its first observation is the record's prompt (its "messages" once read_tasks has
+read it). `done` ends the episode
 terminated (SkyRL-Gym does not tell a limit of its own from an outcome).
 
     env = make_env("skyrl_gym:gsm8k_multi_turn")
@@ -53,11 +54,16 @@ def problems(env_id: str) -> tuple[str, ...]:
     return (NEEDS[env_id],) if env_id in NEEDS else ()
 
 
-def read_tasks(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a SkyRL dataset file (.jsonl or .parquet), each an episode's task."""
-    from marlhf.data.records import read_rows
+def read_tasks(path: str | Path, *, seed: int = 0, max_samples: int | None = None) -> list[dict[str, Any]]:
+    """The records of a SkyRL dataset file (.jsonl or .parquet), each an episode's task (`max_samples` of them
+    drawn with `seed`, as marlhf.data.load_records draws). A chat prompt moves to "messages", what the episode
+    starts from, and "prompt" becomes its messages' text: the trainers read a record's prompt as text (its length,
+    the logs), never the environment's first observation."""
+    from marlhf.data.records import read_rows, subsample
 
-    return read_rows(path)
+    rows = subsample(read_rows(path), max_samples, seed)
+    return [{**row, "prompt": "\n".join(m["content"] for m in _messages(row["prompt"], str(path))),
+             "messages": row["prompt"]} if isinstance(row.get("prompt"), (list, tuple)) else row for row in rows]
 
 
 def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
@@ -86,13 +92,13 @@ class SkyRLGymEnv(Env):
         from omegaconf import OmegaConf
 
         skyrl_gym = require("skyrl_gym")
-        extras = {key: value for key, value in task.items() if key not in ("prompt", "env_class")}
+        extras = {key: value for key, value in task.items() if key not in ("prompt", "messages", "env_class")}
         try:
             self.env = skyrl_gym.make(self.env_id, env_config=OmegaConf.create(self.options.env_config or {}),
                                       extras=extras)
         except AssertionError as error:  # SkyRL-Gym checks a record's fields with asserts
             raise ValueError(f"{where}: the task record is refused: {error}") from None
-        observation, info = self.env.init(_messages(task["prompt"], where))
+        observation, info = self.env.init(_messages(task.get("messages", task["prompt"]), where))
         return _messages(observation, where), dict(info or {})
 
     def step(self, action_text: str) -> tuple[list[dict[str, str]], float, bool, bool, dict[str, Any]]:

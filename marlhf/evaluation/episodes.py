@@ -5,11 +5,12 @@ for verifiable tasks.
                                 tasks=records, samples_per_task=4, ks=(1, 4))
 
 Each task (a record of the environment's dataset, or without records the task an environment draws from its seed)
-is played `samples_per_task` times (several need records), each episode from its own seed, through the multi-turn rollout (marlhf.multiturn) on the hf engine. An episode succeeds
+is played `samples_per_task` times (several need records), each episode from its own seed, through the multi-turn
+rollout (marlhf.multiturn) on the hf engine, in batches of episodes. An episode succeeds
 when its return (the sum of its turns' rewards) reaches `success_at` (1: a verified answer, a won game). The
 summary has the episodes' mean return with its t-interval, the success rate with its Wilson interval, pass@k over
-the tasks (the unbiased estimator of marlhf.evaluation.passk, from each task's samples) and the rollout's counts.
-Not wired into `marlhf evaluate` yet (docs/envs.md).
+the tasks (the unbiased estimator of marlhf.evaluation.passk, from each task's samples) and the rollouts' counts.
+`marlhf evaluate --env ...` runs it (marlhf.evaluation.evaluate, docs/envs.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import make_env
@@ -61,12 +63,21 @@ def episode_summary(returns: Sequence[float], task_ids: Sequence[int], *, succes
     return summary
 
 
+def _combined(metrics: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The rollouts' counts and times summed over the batches; env/turns, a mean per episode, weighted by them."""
+    total = {name: sum(m[name] for m in metrics) for name in metrics[0]}
+    total["env/turns"] = sum(m["env/turns"] * m["env/episodes"] for m in metrics) / total["env/episodes"]
+    return total
+
+
 def evaluate_episodes(env: str, policy: torch.nn.Module, tokenizer: Any, *, seeds: Sequence[int],
                       tasks: Sequence[Any] | None = None, env_options: dict[str, Any] | None = None,
                       samples_per_task: int = 1, ks: Sequence[int] = (1,), success_at: float = 1.0,
-                      temperature: float = 1.0, options: MultiTurnOptions | None = None) -> dict[str, Any]:
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, batch_size: int = 64,
+                      options: MultiTurnOptions | None = None) -> dict[str, Any]:
     """Play `samples_per_task` episodes of each task (seed `seeds[i]`, task `tasks[i]` or None) of environment `env`
-    with `policy` and summarize them (`episode_summary`, plus the rollout's metrics)."""
+    with `policy`, `batch_size` episodes a rollout, and summarize them (`episode_summary`, the rollouts' metrics,
+    and "per_episode": each episode's task index, seed, return, turns and ending)."""
     if tasks is not None and len(tasks) != len(seeds):
         raise ValueError(f"evaluate_episodes: {len(seeds)} seeds and {len(tasks)} tasks: give one task per seed")
     if tasks is None and samples_per_task > 1:
@@ -75,12 +86,21 @@ def evaluate_episodes(env: str, policy: torch.nn.Module, tokenizer: Any, *, seed
     engine = HFEngine()
     engine.options = HFOptions()
     engine.sync_weights(policy)
-    generate = EngineSampler(engine, temperature=temperature, top_k=0, top_p=1.0,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generate = EngineSampler(engine, temperature=temperature, top_k=top_k, top_p=top_p,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     task_ids = [i for i in range(len(seeds)) for _ in range(samples_per_task)]
+    # a task's samples differ by their seeds, which set both the sampling and an environment's own draws
     episode_seeds = [int(seeds[i]) + j * 1_000_003 for i in range(len(seeds)) for j in range(samples_per_task)]
-    rollout = rollout_episodes([make_env(env, env_options) for _ in task_ids], generate, tokenizer,
-                               seeds=episode_seeds, tasks=None if tasks is None else [tasks[i] for i in task_ids],
-                               options=options, max_length=model_positions(policy), env_name=env)
-    summary = episode_summary(rollout.turn_rewards.sum(1).tolist(), task_ids, success_at=success_at, ks=ks)
-    return {**summary, "env": env, "metrics": dict(rollout.metrics)}
+    rows, metrics = [], []
+    for start in tqdm(range(0, len(task_ids), batch_size), desc="episodes", disable=None, leave=False):
+        ids, batch_seeds = task_ids[start:start + batch_size], episode_seeds[start:start + batch_size]
+        rollout = rollout_episodes([make_env(env, env_options) for _ in ids], generate, tokenizer, seeds=batch_seeds,
+                                   tasks=None if tasks is None else [tasks[i] for i in ids], options=options,
+                                   max_length=model_positions(policy), env_name=env,
+                                   device=next(policy.parameters()).device)
+        rows += [{"task": task, "seed": seed, "return": float(total), "turns": int(turns), "terminated": bool(done)}
+                 for task, seed, total, turns, done in zip(ids, batch_seeds, rollout.turn_rewards.sum(1).tolist(),
+                                                          rollout.num_turns, rollout.terminated)]
+        metrics.append(dict(rollout.metrics))
+    summary = episode_summary([r["return"] for r in rows], task_ids, success_at=success_at, ks=ks)
+    return {**summary, "env": env, "metrics": _combined(metrics), "per_episode": rows}

@@ -10,6 +10,9 @@
   the best reward-model score among the first N samples. A table (JSON + markdown) and a heat map.
 - `pass_at_k` (APPS records with unit tests): `samples_per_prompt` programs per problem, run in the
   code sandbox; pass@k by difficulty (marlhf.evaluation.passk).
+- `env`: episodes of an environment played by the policy, scored by the environment (marlhf.evaluation.episodes):
+  success rate and mean return with their intervals, pass@k over a dataset's tasks; summary.json and
+  episodes.jsonl (docs/envs.md).
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from marlhf.config import ConfigBase, option
 from marlhf.data.encoding import collate_prompt_response, encode_prompt_response, pad_sequences, prompt_token_ids
 from marlhf.data.records import prompt_records
 from marlhf.data.tasks import get_task
+from marlhf.envs.datasets import library_records
+from marlhf.evaluation.episodes import evaluate_episodes
 from marlhf.evaluation.judge import write_jsonl
 from marlhf.evaluation.passk import apps_pass_at_k
 from marlhf.evaluation.plots import pyplot
 from marlhf.metrics import text_repetition
+from marlhf.multiturn import MultiTurnOptions
+from marlhf.plugins import Plugin
 from marlhf.engines.hf import generate_responses
 from marlhf.rollout import decode_responses
 
@@ -47,13 +54,18 @@ class EvaluateConfig(ConfigBase):
     compare: tuple[str, ...] | None = option(
         None, "more checkpoints to evaluate on the same prompts and compare with model_name_or_path")
     reward_model: str | None = option(None, "reward-model checkpoint (ScalarHeadModel) that scores the responses")
-    dataset: str = option("openai/summarize_from_feedback", "dataset id or local .jsonl/.parquet path ('eval' records)")
+    dataset: str | None = option(
+        None, "dataset id or local .jsonl/.parquet path ('eval' records), or reasoning_gym:SPEC; with env, the tasks "
+              "of its episodes (a SkyRL dataset file for skyrl_gym:ID) (none: the paper's "
+              "openai/summarize_from_feedback, or with env the task each environment draws from its episode's seed)")
     dataset_task: str | None = option(
         None, "a local dataset file holds raw rows of this task's Hub schema: tldr, hh, webgpt, apps, another task "
               "registered with marlhf.data.tasks.register_task, or a dotted path package.module:TASK (none: rows "
               "already in the eval schema)")
     num_samples: int | None = option(
-        None, "evaluation prompts drawn with `seed` (none: the paper's, 2,000, or every APPS test problem)", ge=1)
+        None, "evaluation prompts (with env: tasks) drawn with `seed` (none: the paper's, 2,000, every APPS test "
+              "problem, or every record of env's dataset; env without a dataset needs it: its episodes' seeds are "
+              "seed, seed + 1, ...)", ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("float32", "dtype to load the models in")
     batch_size: int = option(16, "sequences per generation / scoring batch", ge=1)
     max_prompt_length: int = option(512, "prompts are truncated to their last N tokens", ge=1)
@@ -65,14 +77,28 @@ class EvaluateConfig(ConfigBase):
         None, "best-of-N grid over these N (the paper: 4 8 16 32) and `best_of_n_temperatures`", ge=1)
     best_of_n_temperatures: tuple[float, ...] = option((0.2, 0.4, 0.6, 0.8, 1.0, 1.2), "temperatures of the best-of-N grid", gt=0)
     pass_at_k: tuple[int, ...] | None = option(
-        None, "APPS: report pass@k for these k (e.g. 1 5) by difficulty instead of reward-model scores", ge=1)
-    samples_per_prompt: int = option(10, "APPS: programs sampled per problem for pass@k (n >= max k)", ge=1)
+        None, "APPS: report pass@k for these k (e.g. 1 5) by difficulty instead of reward-model scores; with env: "
+              "pass@k over the dataset's tasks (an episode passes when it succeeds, success_at)", ge=1)
+    samples_per_prompt: int = option(
+        10, "pass_at_k: programs sampled per APPS problem, or episodes played per task of env (n >= max k)", ge=1)
     code_timeout_s: float = option(4.0, "APPS: wall-time limit per unit test", gt=0)
+    env: str | None = option(
+        None, "evaluate episodes of this environment (marlhf.envs: reasoning_gym:NAME, textarena:ID, skyrl_gym:ID, "
+              "a registered name, package.module:Class, path/to/file.py:Class) played by the policy: success rate "
+              "and mean return with their intervals (and pass@k), no reward model")
+    env_options: dict[str, Any] | None = option(None, "the environment's own options, a YAML mapping")
+    multi_turn_options: dict[str, Any] | None = option(
+        None, "the episodes' limits (marlhf.multiturn.MultiTurnOptions), a YAML mapping such as '{max_turns: 3}'")
+    success_at: float = option(1.0, "env: an episode succeeds when its return reaches this (1: a verified answer, "
+                                    "a won game)")
 
     def validate(self) -> None:
         super().validate()
         if self.dataset_task is not None:
             get_task(self.dataset_task)  # an unknown name or a path that does not import stops here
+        if self.env is not None or self.env_options or self.multi_turn_options:
+            self._check_env()
+            return
         if self.pass_at_k is not None:
             if max(self.pass_at_k) > self.samples_per_prompt:
                 raise ValueError(f"pass_at_k: every k must be <= samples_per_prompt ({self.samples_per_prompt}), "
@@ -83,6 +109,28 @@ class EvaluateConfig(ConfigBase):
             raise ValueError("reward_model is required (except with pass_at_k, which runs unit tests)")
         if self.compare and self.best_of_n:
             raise ValueError("compare and best_of_n are separate runs; give one of them")
+
+
+    def _check_env(self) -> None:
+        """env evaluates episodes: no reward model, comparison or best-of-N; pass@k needs tasks to sample again."""
+        if self.env is None:
+            raise ValueError("env_options and multi_turn_options need env (the environment they configure)")
+        refused = [name for name in ("reward_model", "compare", "best_of_n") if getattr(self, name)]
+        if refused:
+            raise ValueError(f"env={self.env!r} with {', '.join(refused)}: an environment scores its episodes itself")
+        if self.dataset is None and self.num_samples is None:
+            raise ValueError(f"env={self.env!r} without a dataset: give num_samples, the number of episodes")
+        if self.pass_at_k is not None and (self.dataset is None or max(self.pass_at_k) > self.samples_per_prompt):
+            raise ValueError(f"pass_at_k with env: every k <= samples_per_prompt ({self.samples_per_prompt}) episodes "
+                             "of each task of a dataset (without one, each seed is its own task)")
+        self.multi_turn  # the property checks the limits: an unknown or out-of-bounds one stops here
+
+    @property
+    def multi_turn(self) -> MultiTurnOptions:
+        """The episodes' limits: multi_turn_options' values (each checked, as a plug-in's options are), their
+        declared defaults for the rest."""
+        block = Plugin("block", "multi_turn_options", MultiTurnOptions, MultiTurnOptions)
+        return block.make_options(self.multi_turn_options or {})
 
 
 # ----------------------------------------------------------------------------- generation and scoring
@@ -261,25 +309,34 @@ def run_evaluation(config: EvaluateConfig, records: list[str] | list[dict[str, A
 
 
 PAPER_EVAL_PROMPTS = 2000  # the paper's evaluation prompts on TL;DR, HH and WebGPT (APPS: all 5,000 problems)
+PAPER_DATASET = "openai/summarize_from_feedback"  # without a dataset: TL;DR, the paper's first task
 
 
 def _is_apps(config: EvaluateConfig) -> bool:
     return config.dataset_task == "apps" or config.dataset == "codeparrot/apps"
 
 
+def _output_dir(config: EvaluateConfig) -> Path:
+    """OUTPUT_DIR, made, with the run's config.yaml."""
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config.save_yaml(output_dir / "config.yaml")
+    return output_dir
+
+
 def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, device: torch.device) -> dict[str, Any]:
+    if config.env is not None:
+        return _episodes(config, records, device)
     if records is None:
         from marlhf.data import load_records
 
-        records = load_records(config.dataset, "eval", task=config.dataset_task, seed=config.seed,
+        records = load_records(config.dataset or PAPER_DATASET, "eval", task=config.dataset_task, seed=config.seed,
                                max_samples=config.num_samples if config.num_samples is not None else
                                None if _is_apps(config) else PAPER_EVAL_PROMPTS)
     if not records:
         raise ValueError("no evaluation records")
     prompts = [r["prompt"] for r in records]
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config.save_yaml(output_dir / "config.yaml")
+    output_dir = _output_dir(config)
     generation = dict(batch_size=config.batch_size, max_prompt_length=config.max_prompt_length,
                       max_new_tokens=config.max_response_length, top_k=config.top_k, top_p=config.top_p)
 
@@ -323,6 +380,40 @@ def _evaluate(config: EvaluateConfig, records: list[dict[str, Any]] | None, devi
             "fraction_model_higher": float(np.mean(difference > 0))}  # model minus baseline, prompt by prompt
     _write_json(output_dir / "comparison.json", comparison)
     return comparison
+
+
+def _env_tasks(config: EvaluateConfig) -> list[dict[str, Any]]:
+    """The tasks of env's episodes: `num_samples` 'eval' records of the dataset (a library's own, reasoning_gym:SPEC
+    or a SkyRL dataset file, or any marlhf dataset), drawn with `seed`."""
+    records = library_records(config.dataset, "eval", env=config.env, seed=config.seed, max_samples=config.num_samples)
+    if records is None:
+        from marlhf.data import load_records
+
+        records = load_records(config.dataset, "eval", task=config.dataset_task, seed=config.seed,
+                               max_samples=config.num_samples)
+    return records
+
+
+def _episodes(config: EvaluateConfig, records: list[dict[str, Any]] | None, device: torch.device) -> dict[str, Any]:
+    """Episodes of `config.env` played by the policy, one per task (`samples_per_prompt` with pass_at_k), each
+    from its own seed: the summary (marlhf.evaluation.episodes) in summary.json, each episode in episodes.jsonl.
+    Without tasks, episode i's environment draws its task from seed + i."""
+    if records is None and config.dataset is not None:
+        records = _env_tasks(config)
+    if records is not None and not records:
+        raise ValueError("no evaluation records")
+    output_dir = _output_dir(config)
+    policy, tokenizer = _load_policy(config.model_name_or_path, config.dtype, device)
+    count = config.num_samples if records is None else len(records)
+    result = evaluate_episodes(config.env, policy, tokenizer, seeds=[config.seed + i for i in range(count)],
+                               tasks=records, env_options=config.env_options,
+                               samples_per_task=config.samples_per_prompt if config.pass_at_k else 1,
+                               ks=config.pass_at_k or (), success_at=config.success_at,
+                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                               batch_size=config.batch_size, options=config.multi_turn)
+    write_jsonl(output_dir / "episodes.jsonl", result.pop("per_episode"))
+    _write_json(output_dir / "summary.json", result)
+    return result
 
 
 def _pass_at_k(config: EvaluateConfig, records: list[dict[str, Any]], generation: dict[str, Any],

@@ -99,7 +99,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
     plugins = Plugins.from_config(config)
     engine = plugins.make_engine(accelerator, config.max_length)
     with contextlib.closing(engine):  # when training ends, also on an error: an engine may hold a model and memory
-        records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl")
+        records = prompt_records(prompts) if prompts is not None else records_from_config(config, "rl", config.env)
         require_fields(records, ("prompt",), "rl")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_name_or_path, "left")
         if tokenizer.pad_token_id is None:

@@ -24,3 +24,19 @@ def tiny_policy(make_tiny_causal_lm, tiny_tokenizer):
 
     return act
 
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """The tests' tiny model with room for a TextArena prompt (about 600 tokens of the tiny tokenizer), saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         pad_token_id=tiny_tokenizer.pad_token_id, bos_token_id=tiny_tokenizer.bos_token_id,
+                         eos_token_id=tiny_tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("long_tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path

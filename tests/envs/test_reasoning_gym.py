@@ -99,29 +99,3 @@ def test_two_steps_through_the_trainer(tmp_path, advantage, make_tiny_causal_lm,
     assert all(0.0 <= m["rewards/score"] <= 1.0 and m["rewards/scorer_errors"] == 0.0 for m in metrics)
     assert all(math.isfinite(m["loss/policy"]) for m in metrics)
 
-
-def _documented_command() -> list[str]:
-    """The `marlhf ppo` command of docs/envs.md's reasoning-gym section, as arguments."""
-    import pathlib
-    import re
-    import shlex
-
-    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "envs.md").read_text()
-    section = text[text.index("## reasoning-gym"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
-    return shlex.split(block.replace("\\\n", " "))
-
-
-def test_the_documented_command_trains_two_steps(tmp_path, tiny_model_dir):
-    """docs/envs.md's command through the CLI, on the tests' tiny model, with a smaller batch and budget."""
-    from marlhf import cli
-
-    argv = _documented_command()
-    assert argv[:2] == ["marlhf", "ppo"] and "--max_steps" in argv
-    argv = [*argv[1:], "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
-            "--dataset", "reasoning_gym:chain_sum{size: 8, config: {min_terms: 2, max_terms: 3}, system_prompt: none}",
-            "--per_device_batch_size", "2", "--mini_batch_size", "4", "--num_samples_per_prompt", "2",
-            "--max_prompt_length", "96", "--max_response_length", "16", "--max_length", "112", "--save_steps", "0"]
-    assert cli.main(argv) == 0
-    metrics = read_metrics(tmp_path / "run")
-    assert [m["step"] for m in metrics] == [1, 2] and all("rewards/scorer_errors" in m for m in metrics)

@@ -1,6 +1,6 @@
 """The three libraries' environments batched through the multi-turn rollout (marlhf.multiturn) with a tiny model:
-one row per episode, the library's rewards on the turns' last action tokens. Training steps on them wait for the
-trainer's integration (`marlhf ppo --env`)."""
+one row per episode, the library's rewards on the turns' last action tokens. Training steps on them:
+test_documented_commands.py."""
 
 from __future__ import annotations
 

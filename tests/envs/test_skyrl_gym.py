@@ -25,10 +25,12 @@ def test_a_tiny_model_plays_a_multi_turn_episode_of_chat_messages(tiny_policy):
 
 def test_per_turn_rewards_of_a_scripted_policy(tmp_path):
     """Per turn: 0 without the '#### N' format, the format share when formatted but wrong, 1 when right (which ends
-    the episode). The record comes from a SkyRL dataset file."""
+    the episode). The record comes from a SkyRL dataset file: its chat prompt kept as "messages", which the episode
+    starts from."""
     path = tmp_path / "gsm8k.jsonl"
     path.write_text(json.dumps(RECORD) + "\n")
     [task] = read_tasks(path)
+    assert task["messages"] == RECORD["prompt"] and task["prompt"] == RECORD["prompt"][0]["content"]  # text: trainers'
     answers = iter(["Let me think.", "#### 70", "#### 72"])
     _, rewards, terminated, _ = play(make_env("skyrl_gym:gsm8k_multi_turn"), lambda _: next(answers), 0, task)
     assert terminated and rewards == [0.0, pytest.approx(0.2 / 3), 1.0]
