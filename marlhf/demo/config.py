@@ -14,6 +14,7 @@ from marlhf.termination import TERMINATION_RULES
 BaselineMethod = Literal["rloo", "grpo", "reinforce", "dpo"]
 GROUP_METHODS = {"rloo", "grpo"}  # baselines over groups of responses to one prompt
 SAMPLES_PER_PROMPT = 4  # group size of rloo and grpo
+MAX_PROMPT_TOKENS = 48  # prompts are 8 words + separator: about 25 tokens
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -28,6 +29,11 @@ class DemoConfig(ConfigBase):
     methods: tuple[BaselineMethod, ...] = option(
         (), "baselines besides PPO and MA-PPO: rloo, grpo, reinforce (critic-free advantages in the PPO loop), "
             "dpo (DPO on the reward model's preference pairs)")
+    task: Literal["single_turn", "relay"] = option(
+        "single_turn", "single_turn: one response per prompt, judged by the gold reward `gold`; relay: the multi-turn "
+                       "task (marlhf/demo/README.md, 'Multi-turn task: relay'), trained on the environment's rewards "
+                       "with turn-level MA-PPO, token-level PPO, GRPO and GiGPO (no reward model)")
+    relay_rate: float = option(0.3, "task=relay: chance a demonstrated turn starts with the right word", ge=0, le=1)
     task_seed: int = option(1234, "seed of the lexicon and of every data set")
     num_words: int = option(20, "words per demonstration, and words the gold reward reads", ge=1)
     gold: Literal["word_scores", "ordered_copy", "alternation", "decision"] = option(
@@ -46,7 +52,8 @@ class DemoConfig(ConfigBase):
     gold_reward_scale: float = option(4.0, "reward=gold: factor on the gold reward (x4 spans the reward model's "
                                            "range)", gt=0)
     pretrain_texts: int = option(8000, "pre-training texts (one epoch)", ge=64)
-    sft_records: int = option(3000, "SFT demonstrations (one epoch)", ge=32)
+    sft_records: int = option(3000, "SFT demonstrations (one epoch; task relay: demonstrated episodes, a record per "
+                                    "turn)", ge=32)
     preference_records: int = option(4000, "preference pairs for the reward model (one epoch)", ge=64)
     ppo_steps: int = option(50, "PPO steps per run", ge=1)
     ppo_batch_size: int = option(
@@ -84,6 +91,8 @@ class DemoConfig(ConfigBase):
         methods = [parse_termination(spec)[0] for spec in self.terminations]
         if len(set(methods)) != len(methods) or set(methods) & {"ppo", "ma_ppo"}:
             raise ValueError(f"terminations repeat a method (ppo and ma_ppo always run): {self.terminations}")
+        if self.task == "relay" and (self.terminations or self.methods):
+            raise ValueError("task relay compares its own four methods; terminations and methods are single_turn's")
         if len(set(self.methods)) != len(self.methods):  # the names themselves are checked against the Literal
             raise ValueError(f"methods repeat a name: {self.methods}")
         if set(self.methods) & GROUP_METHODS and self.ppo_batch_size % SAMPLES_PER_PROMPT:

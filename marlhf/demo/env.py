@@ -21,7 +21,7 @@ from marlhf.config import option
 from marlhf.demo.task import SEPARATOR, SyntheticTask, TaskConfig
 from marlhf.envs import Env, register_env
 
-__all__ = ["RelayEnv", "RelayOptions"]
+__all__ = ["RelayEnv", "RelayOptions", "relay_demonstrations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +69,31 @@ class RelayEnv(Env):
         done = self.turn >= self.options.turns
         reply = "" if done else f"{self.relayed[self.turn - 1]} {SEPARATOR}"
         return reply, (1.0 / self.options.turns) if right else 0.0, done, False, {"right": right}
+
+
+ACTION_WORDS = 3  # words of a demonstrated turn: the first is what the environment reads, the others filler
+
+
+def relay_demonstrations(options: RelayOptions, episodes: int, seed: int, right_rate: float,
+                         eos: str) -> list[dict[str, str]]:
+    """SFT records {"prompt", "response"}, one per turn of `episodes` demonstration episodes of the relay task: the
+    prompt is the episode so far as the multi-turn rollout encodes it without a chat template (each action followed
+    by `eos`, the tokenizer's EOS text, then the reply; the separating newlines are dropped by the demo tokenizer), the
+    response ACTION_WORDS words whose first is right (a bright word at turn 0, the relayed word later) with chance
+    `right_rate`, else a word drawn uniformly from the lexicon. Imperfect on purpose: the policy starts from a model
+    that sometimes reads the reply, and training has to make it do so every time."""
+    env = RelayEnv(options)
+    rng = random.Random(f"relay-demonstrations-{options.task_seed}-{seed}")
+    lexicon, bright = sorted(env.task.word_class), env.task.words_by_class["bright"]
+    records = []
+    for record in env.task.prompts(episodes, seed):
+        context, _ = env.reset(rng.randrange(2**31), record)  # episode seeds of their own, unlike training's rows
+        for turn in range(options.turns):
+            right = rng.random() < right_rate
+            wanted = env.right_word(turn)
+            first = (rng.choice(bright) if wanted is None else wanted) if right else rng.choice(lexicon)
+            action = " ".join([first, *(rng.choice(lexicon) for _ in range(ACTION_WORDS - 1))])
+            records.append({"prompt": context, "response": action})
+            reply = env.step(action)[0]
+            context = f"{context} {action}{eos} {reply}"
+    return records

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from marlhf.demo.config import GROUP_METHODS, SAMPLES_PER_PROMPT, DemoConfig, parse_termination
-from marlhf.demo.pretrain import pretrain, tiny_llama
-from marlhf.demo.report import (SMOKE_TEST_NOTE, comparison_sentences, load_method_runs, plot_curves, results_table,
-                                 summarize, write_report)
+from marlhf.demo.config import GROUP_METHODS, MAX_PROMPT_TOKENS, SAMPLES_PER_PROMPT, DemoConfig, parse_termination
+from marlhf.demo.pretrain import pretrained_base
+from marlhf.demo.relay import run_relay_demo
+from marlhf.demo.report import (GOLD_FILE, SMOKE_TEST_NOTE, comparison_sentences, load_method_runs, plot_curves, results_table,
+                                 stage_timer, summarize, write_jsonl, write_report)
 from marlhf.demo.task import SyntheticTask, TaskConfig
-from marlhf.demo.tokenizer import train_tokenizer
 from marlhf.evaluation.evaluate import reward_model_scores, sampled_batches
 from marlhf.modeling import ScalarHeadModel, load_causal_lm, load_tokenizer
 from marlhf.rollout import response_logprobs
@@ -37,8 +37,6 @@ from marlhf.trainers.ppo import PPOConfig, train_ppo
 from marlhf.trainers.reward import RewardConfig, train_reward_model
 from marlhf.trainers.sft import SFTConfig, train_sft
 
-GOLD_FILE = "gold.jsonl"  # per PPO step: gold and reward-model reward of the step's rollouts
-MAX_PROMPT_TOKENS = 48  # prompts are 8 words + separator: about 25 tokens
 TOKENS_PER_WORD = 4.8  # response budget per word: 20-word demonstrations are 49-79 tokens (64 on average)
 
 
@@ -115,14 +113,10 @@ def evaluate_run(policy, sft, reward_model: ScalarHeadModel, tokenizer, task: Sy
                  run_dir: Path, method: str, seed: int) -> dict[str, float]:
     """Held-out evaluation of a trained policy; writes its samples to RUN_DIR/eval_samples.jsonl."""
     metrics, samples = evaluate_policy(policy, sft, reward_model, tokenizer, task, prompts, seed=seed)
-    _write_jsonl(run_dir / "eval_samples.jsonl", samples)
+    write_jsonl(run_dir / "eval_samples.jsonl", samples)
     tqdm.write(f"[demo] {method} seed {seed}: gold {metrics['gold_reward']:.3f}, "
                f"RM {metrics['rm_reward']:.3f}, KL {metrics['kl']:.2f}")
     return metrics
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def write_data(config: DemoConfig, task: SyntheticTask, preference_records: list[dict], rl_prompts: list[dict],
@@ -130,10 +124,10 @@ def write_data(config: DemoConfig, task: SyntheticTask, preference_records: list
     """The demo's records as the commands read them (`--dataset DIR/sft.jsonl` ...): SFT demonstrations,
     preference pairs (reward model, DPO), PPO prompts and the held-out prompts, in the stages' schemas."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(data_dir / "sft.jsonl", task.sft_records(config.sft_records, seed=0))
-    _write_jsonl(data_dir / "preferences.jsonl", preference_records)
-    _write_jsonl(data_dir / "prompts.jsonl", rl_prompts)
-    _write_jsonl(data_dir / "eval_prompts.jsonl", [{"prompt": prompt} for prompt in eval_prompts])
+    write_jsonl(data_dir / "sft.jsonl", task.sft_records(config.sft_records, seed=0))
+    write_jsonl(data_dir / "preferences.jsonl", preference_records)
+    write_jsonl(data_dir / "prompts.jsonl", rl_prompts)
+    write_jsonl(data_dir / "eval_prompts.jsonl", [{"prompt": prompt} for prompt in eval_prompts])
 
 
 def run_demo(config: DemoConfig) -> dict:
@@ -142,7 +136,7 @@ def run_demo(config: DemoConfig) -> dict:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     try:
-        return _run_demo(config)
+        return (run_relay_demo if config.task == "relay" else _run_demo)(config)
     finally:
         torch.set_num_threads(threads)
 
@@ -173,14 +167,9 @@ def build_models(config: DemoConfig, models_dir: Path, stage_done=None) -> DemoM
     stage_done = stage_done or (lambda name, since: time.perf_counter())
     clock = time.perf_counter()
     task = demo_task(config)
-    texts = task.pretraining_texts(config.pretrain_texts, seed=0)
-    tokenizer = train_tokenizer(texts)
-    torch.manual_seed(config.task_seed)
     response_tokens = max_response_tokens(config.num_words)
-    base = tiny_llama(tokenizer, max_position_embeddings=max(256, MAX_PROMPT_TOKENS + response_tokens + 1))
-    pretrain(base, tokenizer, texts, seed=config.task_seed)
-    base.save_pretrained(models_dir / "base")
-    tokenizer.save_pretrained(models_dir / "base")
+    tokenizer, base = pretrained_base(task.pretraining_texts(config.pretrain_texts, seed=0), config.task_seed,
+                                      max(256, MAX_PROMPT_TOKENS + response_tokens + 1), models_dir / "base")
     clock = stage_done("pretrain", clock)
 
     common = dict(seed=config.task_seed, save_steps=0, max_prompt_length=MAX_PROMPT_TOKENS,
@@ -240,7 +229,7 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
             after_step(*state)
 
     policy = train_ppo(ppo_config, rl_prompts, tokenizer=models.tokenizer, reward_fn=reward_fn, after_step=step_done)
-    _write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
+    write_jsonl(run_dir / GOLD_FILE, reward_fn.rows)
     return evaluate_run(policy, models.sft, models.reward_model, models.tokenizer, models.task, eval_prompts,
                         run_dir, method, seed)
 
@@ -251,11 +240,7 @@ def _run_demo(config: DemoConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config.save_yaml(out / "demo_config.yaml")
     stage_seconds: dict[str, float] = {}
-
-    def stage_done(name: str, since: float) -> float:
-        stage_seconds[name] = round(time.perf_counter() - since, 1)
-        tqdm.write(f"[demo] {name} done in {stage_seconds[name]:.0f} s")
-        return time.perf_counter()
+    stage_done = stage_timer(stage_seconds)
 
     # ---- data, tokenizer, base model, SFT and reward model (the repository's trainers) ---------------
     models = build_models(config, out / "models", stage_done)
@@ -271,7 +256,7 @@ def _run_demo(config: DemoConfig) -> dict:
     eval_prompts = [r["prompt"] for r in task.prompts(config.eval_prompts, seed=2)]
     write_data(config, task, preference_records, rl_prompts, eval_prompts, out / "data")
     sft_metrics, sft_samples = evaluate_policy(sft, sft, reward_model, tokenizer, task, eval_prompts, seed=0)
-    _write_jsonl(out / "models" / "sft" / "eval_samples.jsonl", sft_samples)
+    write_jsonl(out / "models" / "sft" / "eval_samples.jsonl", sft_samples)
     finals: dict[str, list[dict]] = {method: [] for method in methods}
     runs = [(method, seed) for method in methods for seed in config.seeds]
     for method, seed in tqdm(runs, desc="demo runs", leave=True):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from marlhf.demo.tokenizer import train_tokenizer
 
 
 def tiny_llama(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_layers: int = 3,
@@ -67,3 +71,16 @@ def pretrain(
     tokenizer.padding_side = padding_side
     model.eval()
     return losses
+
+
+def pretrained_base(texts: list[str], seed: int, max_positions: int,
+                    out_dir: Path) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM]:
+    """The demo's tokenizer (BPE on `texts`) and base model (a tiny Llama pre-trained on them, initialised from
+    `seed`), both saved to OUT_DIR: what every task of the demo starts from."""
+    tokenizer = train_tokenizer(texts)
+    torch.manual_seed(seed)
+    base = tiny_llama(tokenizer, max_position_embeddings=max_positions)
+    pretrain(base, tokenizer, texts, seed=seed)
+    base.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer, base

@@ -8,8 +8,12 @@ metrics.jsonl with the demo's per-step gold rewards, so the curves use the same 
 from __future__ import annotations
 
 import json
+import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from marlhf.demo.config import SAMPLES_PER_PROMPT, BaselineMethod
 from marlhf.demo.task import SyntheticTask
@@ -18,6 +22,7 @@ from marlhf.evaluation.stats import paired_t
 from marlhf.logging_utils import METRICS_FILE
 
 BASELINE = "ppo"
+GOLD_FILE = "gold.jsonl"  # per PPO step: gold (and reward-model) reward of the step's rollouts
 FINAL_KEYS = ("gold_reward", "rm_reward", "kl")
 STUDY_II = ("What a larger test found: Study II (docs/studies/lambda.md; 3 tasks, 8 seeds on 2 builds, tuned "
             "token-level baselines, equal KL) detected no difference between MA-PPO (n = 5, `first`) and token-level "
@@ -35,15 +40,32 @@ def describe_method(method: str, value_weighting: str) -> str:
     if method.startswith("ma_ppo"):
         rule = method.removeprefix("ma_ppo").removeprefix("_") or "fixed5"
         segments = {"fixed_inf": "the whole response as one macro action", "word": "one macro action per word",
+                    "turn": "one macro action per turn",
                     "randomized": "randomized n-grams", "perplexity": "perplexity-based segments"}.get(
             rule, f"n = {rule.removeprefix('fixed')}" if rule.startswith("fixed") else f"termination {rule}")
         return f"MA-PPO ({segments}, value weighting {value_weighting})"
     return {"rloo": "RLOO (no critic)", "grpo": "GRPO (no critic)", "reinforce": "REINFORCE (no critic)",
-            "dpo": "DPO (no rollouts)"}.get(method, method)
+            "dpo": "DPO (no rollouts)", "gigpo": "GiGPO (no critic)"}.get(method, method)
+
+
+def stage_timer(stage_seconds: dict[str, float]) -> Callable[[str, float], float]:
+    """`stage_done(name, since) -> now`: records a stage's seconds in `stage_seconds` (the summary's) and prints a
+    line of progress."""
+    def stage_done(name: str, since: float) -> float:
+        stage_seconds[name] = round(time.perf_counter() - since, 1)
+        tqdm.write(f"[demo] {name} done in {stage_seconds[name]:.0f} s")
+        return time.perf_counter()
+
+    return stage_done
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """One JSON object a line (the demo's records and per-run files)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def load_method_runs(method_dir: str | Path, seeds: list[int] | tuple[int, ...], gold_file: str) -> list[RunMetrics]:
@@ -90,8 +112,9 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
     target = float(curves[BASELINE].mean[-1])
     methods = {}
     for method, method_finals in finals.items():
-        entry: dict = {f"{key}_final": _mean([f[key] for f in method_finals]) for key in FINAL_KEYS}
-        entry.update({f"{key}_final_std": _std([f[key] for f in method_finals]) for key in FINAL_KEYS})
+        keys = [key for key in FINAL_KEYS if key in method_finals[0]]  # a task without a reward model has no rm_reward
+        entry: dict = {f"{key}_final": _mean([f[key] for f in method_finals]) for key in keys}
+        entry.update({f"{key}_final_std": _std([f[key] for f in method_finals]) for key in keys})
         curve = curves.get(method)
         entry["train_gold_reward_final"] = None if curve is None else float(curve.mean[-1])
         entry["steps_to_parity"] = None if curve is None else first_step_reaching(curve.steps, curve.mean, target)
@@ -106,15 +129,18 @@ def summarize(runs: dict[str, list[RunMetrics]], finals: dict[str, list[dict]], 
 
 
 def plot_curves(runs: dict[str, list[RunMetrics]], path: str | Path, smoothing: int,
-                held_out_gold: dict[str, float] | None = None, parity_gold: float | None = None) -> None:
+                held_out_gold: dict[str, float] | None = None, parity_gold: float | None = None,
+                keys: tuple[str, ...] = ("gold_reward", "rm_reward")) -> None:
     """Gold and reward-model reward of the training rollouts against PPO step: seed mean, +-1 std band over seeds;
     `held_out_gold` ({name: gold reward on held-out prompts}, e.g. SFT, DPO) as dashed horizontal lines;
-    `parity_gold` (PPO's final training gold, what steps to parity are counted to) as a dotted line."""
+    `parity_gold` (PPO's final training gold, what steps to parity are counted to) as a dotted line; `keys`: the
+    panels (a task without a reward model has the gold panel only)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
-    titles = {"gold_reward": ("gold reward", "gold reward (the task's true objective, -1 to 1)"),
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), layout="constrained", squeeze=False)
+    titles = {"gold_reward": ("gold reward", "gold reward (the task's true objective)"),
               "rm_reward": ("reward-model score", "reward-model score (what PPO optimises)")}
-    for ax, (key, (title, ylabel)) in zip(axes, titles.items()):
+    for ax, key in zip(axes[0], keys):
+        title, ylabel = titles[key]
         for method, method_runs in runs.items():
             curve = group_curves(method_runs, key, smoothing)[method]
             seeds = f"{curve.num_runs} seed{'s' if curve.num_runs > 1 else ''}"
@@ -147,22 +173,39 @@ def mark_words(task: SyntheticTask, response: str) -> str:
 
 
 def results_table(summary: dict) -> list[str]:
-    """The markdown table of report.md (one row per method, SFT first); the demo also prints it."""
+    """The markdown table of report.md (one row per method, SFT first); the demo also prints it. The RM column only
+    where the task has a reward model."""
     sft = summary["sft"]
+    rm = "rm_reward" in sft
+    sft_rm = f" {sft['rm_reward']:.3f} |" if rm else ""
     lines = [
-        "| method | gold reward | RM score | KL to SFT | train gold (final) | steps to PPO's final gold | speed-up |",
-        "|---|---|---|---|---|---|---|",
-        f"| SFT (start) | {sft['gold_reward']:.3f} | {sft['rm_reward']:.3f} | 0 | - | - | - |",
+        f"| method | gold reward |{' RM score |' if rm else ''} KL to SFT | train gold (final) "
+        "| steps to PPO's final gold | speed-up |",
+        "|---|---|---|---|---|---|" + ("---|" if rm else ""),
+        f"| SFT (start) | {sft['gold_reward']:.3f} |{sft_rm} 0 | - | - | - |",
     ]
     for method, entry in summary["methods"].items():
         parity, speedup = entry["steps_to_parity"], entry["speedup_vs_ppo"]
         train_gold = entry["train_gold_reward_final"]
+        rm_cell = f" {entry['rm_reward_final']:.3f} ± {entry['rm_reward_final_std']:.3f} |" if rm else ""
         lines.append(
-            f"| {method} | {entry['gold_reward_final']:.3f} ± {entry['gold_reward_final_std']:.3f} "
-            f"| {entry['rm_reward_final']:.3f} ± {entry['rm_reward_final_std']:.3f} "
-            f"| {entry['kl_final']:.2f} | {'-' if train_gold is None else f'{train_gold:.3f}'} "
+            f"| {method} | {entry['gold_reward_final']:.3f} ± {entry['gold_reward_final_std']:.3f} |{rm_cell}"
+            f" {entry['kl_final']:.2f} | {'-' if train_gold is None else f'{train_gold:.3f}'} "
             f"| {'-' if train_gold is None else 'never' if parity is None else parity} "
             f"| {'-' if speedup is None else f'{speedup:.2f}x'} |")
+    return lines
+
+
+def seed_sentences(summary: dict) -> list[str]:
+    """One sentence per method: its held-out gold on each seed, and their mean with its 95 % t-interval."""
+    seeds, lines = summary["seeds"], []
+    for method, entry in summary["methods"].items():
+        values = [entry["per_seed"][str(s)]["gold_reward"] for s in seeds]
+        stats = paired_t(values)
+        interval = ("one seed, no interval" if len(seeds) < 2 else
+                    f"95 % t-interval [{stats['ci'][0]:.3f}, {stats['ci'][1]:.3f}]")
+        lines.append(f"- {method}: held-out gold {', '.join(f'{v:.3f}' for v in values)} (seeds "
+                     f"{', '.join(str(s) for s in seeds)}); mean {stats['mean']:.3f}, {interval}.")
     return lines
 
 
