@@ -581,14 +581,12 @@ def concat_rollouts(rollouts: Sequence[MultiTurnRollout], pad_token_id: int) -> 
     numbers: dict[str, int] = {}
     renumbered = []
     for rollout in rollouts:
-        for i in rollout.turn_state_ids.flatten().tolist():
+        ids = rollout.turn_state_ids
+        for i in ids.flatten().tolist():
             if i >= 0:
                 numbers.setdefault(rollout.states[i], len(numbers))
-        lookup = torch.tensor([numbers[state] for state in rollout.states] or [-1], dtype=torch.long,
-                              device=rollout.turn_state_ids.device)
-        ids = rollout.turn_state_ids
-        renumbered.append(dataclasses.replace(rollout, turn_state_ids=torch.where(ids >= 0, lookup[ids.clamp(min=0)],
-                                                                                   -1)))
+        lookup = torch.tensor([numbers[state] for state in rollout.states] or [-1], device=ids.device)
+        renumbered.append(dataclasses.replace(rollout, turn_state_ids=torch.where(ids >= 0, lookup[ids.clamp(0)], -1)))
     fields: dict[str, Any] = {}
     for name, (side, fill) in _PADDING.items():
         parts = [getattr(rollout, name) for rollout in renumbered]

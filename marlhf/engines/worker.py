@@ -7,7 +7,7 @@ episodes of an environment, marlhf.trainers.staleness).
     worker = RolloutWorker(WorkerSpec("hf", HFOptions(), max_length=64, threads=1, log_path="out/rollout_worker_0.log"))
     worker.send_weights(policy)              # the whole model the first time, then only what training changes
     worker.submit(7, prompt_ids, prompt_mask, row_seeds=[...], max_new_tokens=..., ...)
-    generation, seconds, tokens = worker.result(7)   # waits at most `timeout` seconds; a dead or hung worker: MarlhfError
+    generation, seconds, tokens = worker.result(7)  # waits at most `timeout` s; dead or hung worker: MarlhfError
     worker.close()
 
 The worker holds a plain copy of the policy (built from its config, LoRA adapters merged in) that it hands to its
@@ -138,11 +138,10 @@ class RolloutWorker:
         self._put(("call", request_id, function, arguments))
 
     def result(self, request_id: int) -> tuple[Any, float, int]:
-        """(the result of request `request_id`: a Generation for `submit`; the worker's seconds on it, its tokens
-        generated). A worker that
-        dies or fails, or sends nothing for the spec's timeout while the trainer waits (it reports when it is ready
-        and when it starts each request: a hang inside one request or in its start-up): MarlhfError, one line
-        naming the worker, its exit status and its log file (a hung one is killed first)."""
+        """(the result of request `request_id`, a Generation for `submit`; the worker's seconds on it; its tokens
+        generated). A worker that dies or fails, or sends nothing for the spec's timeout while the trainer waits (it
+        reports when it is ready and when it starts each request: a hang inside one request or in its start-up):
+        MarlhfError, one line naming the worker, its exit status and its log file (a hung one is killed first)."""
         deadline = time.monotonic() + self.spec.timeout
         while request_id not in self.pending:
             try:

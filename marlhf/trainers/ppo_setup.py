@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 from marlhf.data.encoding import prompt_token_ids
 from marlhf.engines import EngineContext, RolloutEngine
 from marlhf.kl_control import AdaptiveKLController
-from marlhf.multiturn import EpisodeSpec
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm
+from marlhf.multiturn import EpisodeSpec
 from marlhf.plugins import Plugin
 from marlhf.rewards import code_reward_fn
 from marlhf.rewards.functions import RewardFunctions, takes_record_fields
