@@ -46,11 +46,12 @@ import torch
 from marlhf.config import check_bounds, option
 from marlhf.data.encoding import pad_sequences
 from marlhf.engines.base import Generation, RolloutEngine
+from marlhf.envs import make_env
 from marlhf.envs.base import Observation, check_observation
 from marlhf.errors import MarlhfError
 
 __all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Generate", "EngineSampler",
-           "rollout_episodes", "turn_seed"]
+           "rollout_episodes", "turn_seed", "EpisodeSpec", "run_episodes", "concat_rollouts"]
 
 EnvErrors = Literal["truncate", "raise"]
 # sampler(ids, mask, row_seeds, max_new_tokens) -> Generation with log-probs; one with `new_cache()` is also called
@@ -118,6 +119,11 @@ class MultiTurnRollout:
     truncated: torch.Tensor
     states: list[str]
     metrics: dict[str, float]
+
+    def to(self, device: torch.device | str) -> MultiTurnRollout:
+        return dataclasses.replace(self, **{field.name: getattr(self, field.name).to(device)
+                                            for field in dataclasses.fields(self)
+                                            if isinstance(getattr(self, field.name), torch.Tensor)})
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -493,9 +499,7 @@ class _Runner:
             rewards, turn_rewards, turn_state_ids, torch.tensor([e.turn for e in episodes]),
             torch.tensor([e.terminated for e in episodes]), torch.tensor([e.truncated for e in episodes]),
             list(state_ids), self.metrics(episodes))
-        return dataclasses.replace(rollout, **{field.name: getattr(rollout, field.name).to(self.device)
-                                               for field in dataclasses.fields(rollout)
-                                               if isinstance(getattr(rollout, field.name), torch.Tensor)})
+        return rollout.to(self.device)
 
     def metrics(self, episodes: list[_Episode]) -> dict[str, float]:
         actions = sum(turn >= 0 for e in episodes for turn in e.turn_of)
@@ -535,3 +539,63 @@ def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *,
             runner.step(episode, action_text)
         runner.advance()
     return runner.batch(episodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """What runs a batch of episodes besides the engine, all picklable, so that a rollout worker gets it with a
+    request and makes its environments itself: the environment as `make_env` names it and its options, the
+    tokenizer, the limits, the positions (`max_length`) and the engine's sampling settings (EngineSampler's)."""
+
+    env: str
+    env_options: dict[str, Any] | None
+    tokenizer: Any
+    options: MultiTurnOptions
+    max_length: int | None
+    sampling: dict[str, Any]
+
+
+def run_episodes(engine: RolloutEngine, spec: EpisodeSpec, seeds: Sequence[int], tasks: Sequence[Any] | None,
+                 device: torch.device | str = "cpu") -> MultiTurnRollout:
+    """One episode per seed, each of a fresh environment made from `spec`, on `engine` (`rollout_episodes`): what
+    the trainer's process and a rollout worker run for a step's rows."""
+    envs = [make_env(spec.env, spec.env_options) for _ in seeds]
+    return rollout_episodes(envs, EngineSampler(engine, **spec.sampling), spec.tokenizer, seeds=seeds, tasks=tasks,
+                            options=spec.options, max_length=spec.max_length, env_name=spec.env, device=device)
+
+
+# how each [B, ...] field of a MultiTurnRollout is padded: the side and the fill (None: the pad id)
+_PADDING = {"prompt_ids": ("left", None), "prompt_mask": ("left", False), "response_ids": ("right", None),
+            "response_mask": ("right", False), "action_mask": ("right", False), "turn_ids": ("right", -1),
+            "logprobs": ("right", 0.0), "rewards": ("right", 0.0), "turn_rewards": ("right", 0.0),
+            "turn_state_ids": ("right", -1)}
+
+
+def concat_rollouts(rollouts: Sequence[MultiTurnRollout], pad_token_id: int) -> MultiTurnRollout:
+    """The episodes of several rollouts as one, rows in order (the shares of a step's rows that rollout workers
+    ran): each field padded to the widest (`_PADDING`), the states numbered as one rollout of all the rows numbers
+    them (in order of first appearance, row by row), the metrics' counts and times summed, `env/turns` the mean
+    over all episodes."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    numbers: dict[str, int] = {}
+    renumbered = []
+    for rollout in rollouts:
+        ids = rollout.turn_state_ids
+        for i in ids.flatten().tolist():
+            if i >= 0:
+                numbers.setdefault(rollout.states[i], len(numbers))
+        lookup = torch.tensor([numbers[state] for state in rollout.states] or [-1], device=ids.device)
+        renumbered.append(dataclasses.replace(rollout, turn_state_ids=torch.where(ids >= 0, lookup[ids.clamp(0)], -1)))
+    fields: dict[str, Any] = {}
+    for name, (side, fill) in _PADDING.items():
+        parts = [getattr(rollout, name) for rollout in renumbered]
+        width = max(part.shape[1] for part in parts)
+        fields[name] = torch.cat([torch.nn.functional.pad(
+            part, (width - part.shape[1], 0) if side == "left" else (0, width - part.shape[1]),
+            value=pad_token_id if fill is None else fill) for part in parts])
+    for name in ("num_turns", "terminated", "truncated"):
+        fields[name] = torch.cat([getattr(rollout, name) for rollout in rollouts])
+    metrics = {name: sum(rollout.metrics[name] for rollout in rollouts) for name in rollouts[0].metrics}
+    metrics["env/turns"] = int(fields["num_turns"].sum()) / len(fields["num_turns"])
+    return MultiTurnRollout(**fields, states=list(numbers), metrics=metrics)

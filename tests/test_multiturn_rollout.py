@@ -12,8 +12,8 @@ import torch
 from marlhf.engines import HFEngine, HFOptions, model_positions
 from marlhf.envs import Env
 from marlhf.errors import MarlhfError
-from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, EngineSampler, rollout_episodes,
-                              turn_seed)
+from marlhf.multiturn import (MultiTurnOptions, ObservationEncoder, _fitting_groups, EngineSampler, concat_rollouts,
+                              rollout_episodes, turn_seed)
 from tests.conftest import build_tiny_causal_lm, build_tiny_tokenizer
 
 TOKENIZER = build_tiny_tokenizer()
@@ -150,6 +150,23 @@ def test_a_batched_rollout_equals_the_episodes_run_one_at_a_time(policy, noise):
         for name in ("num_turns", "terminated", "truncated"):
             assert getattr(batched, name)[b].tolist() == getattr(alone, name)[0].tolist()
         assert batched.turn_rewards[b, :tasks[b]].tolist() == alone.turn_rewards[0].tolist()
+
+
+def test_shares_joined_by_concat_rollouts_are_the_whole_batch(policy):
+    """What the trainer makes of two rollout workers' shares (marlhf.trainers.staleness): the rollout of all the
+    rows at once, padding and state ids included; the counts summed (each share counts its own generate calls)."""
+    tasks, seeds = [3, 1, 4, 2, 3], [5, 6, 7, 8, 9]
+    whole, _ = _run(policy, tasks, seeds, max_response_tokens=40)
+    joined = concat_rollouts([_run(policy, tasks[rows], seeds[rows], max_response_tokens=40)[0]
+                              for rows in (slice(0, 2), slice(2, 5))], TOKENIZER.pad_token_id)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "action_mask", "turn_ids", "rewards",
+                 "turn_rewards", "turn_state_ids", "num_turns", "terminated", "truncated"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    torch.testing.assert_close(joined.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+    assert joined.states == whole.states
+    timings = ("env/generate_calls", "env/step_seconds", "env/generate_seconds")
+    assert {k: v for k, v in joined.metrics.items() if k not in timings} == \
+        {k: v for k, v in whole.metrics.items() if k not in timings}
 
 
 class Ragged(Script):

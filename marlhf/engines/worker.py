@@ -1,12 +1,13 @@
 """A rollout engine in its own process: `RolloutWorker` runs any registered engine (hf, vllm, or one named by
 dotted path) with its options in a child process started by torch.multiprocessing (spawn), on the CPU threads it
 is given, and answers the trainer's requests (prompts, per-row seeds, sampling settings) with `Generation`s that
-carry the sampling log-probs.
+carry the sampling log-probs, or runs a function of its engine that a higher layer sends (`submit_call`: the
+episodes of an environment, marlhf.trainers.staleness).
 
     worker = RolloutWorker(WorkerSpec("hf", HFOptions(), max_length=64, threads=1, log_path="out/rollout_worker_0.log"))
     worker.send_weights(policy)              # the whole model the first time, then only what training changes
     worker.submit(7, prompt_ids, prompt_mask, row_seeds=[...], max_new_tokens=..., ...)
-    generation, seconds = worker.result(7)   # waits at most `timeout` seconds; a dead or hung worker: MarlhfError
+    generation, seconds, tokens = worker.result(7)  # waits at most `timeout` s; dead or hung worker: MarlhfError
     worker.close()
 
 The worker holds a plain copy of the policy (built from its config, LoRA adapters merged in) that it hands to its
@@ -33,7 +34,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,8 +60,8 @@ class AsyncRolloutOptions:
            "which work k steps ahead while the trainer trains; the loss corrects for the lag (the ppo loss's "
            "staleness_correction and behaviour_cap). 0: each step samples with its own policy (synchronous)", ge=0)
     rollout_workers: int = option(
-        0, "rollout engine processes per training process, each step's responses split between them (0: the "
-           "engine runs in the trainer, between the other stages; max_staleness > 0 needs >= 1)", ge=0)
+        0, "rollout engine processes per training process, each step's responses (or episodes) split between them "
+           "(0: the engine runs in the trainer, between the other stages; max_staleness > 0 needs >= 1)", ge=0)
     rollout_worker_threads: int = option(1, "torch CPU threads of each rollout worker", ge=1)
     rollout_worker_timeout: float = option(
         600.0, "seconds a waiting trainer gives a silent rollout worker (no result, no request started) before "
@@ -126,13 +127,21 @@ class RolloutWorker:
                row_seeds: Sequence[int], **sampling: Any) -> None:
         """Ask for a Generation of these prompts (the engine's `generate` arguments); `result(request_id)` returns
         it."""
-        self._put(("generate", request_id, prompt_ids.cpu(), prompt_mask.cpu(), [int(s) for s in row_seeds], sampling))
+        self.submit_call(request_id, _generate, prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(),
+                         row_seeds=[int(s) for s in row_seeds], **sampling)
 
-    def result(self, request_id: int) -> tuple[Generation, float, int]:
-        """(the Generation of request `request_id`, the worker's seconds on it, its response tokens). A worker that
-        dies or fails, or sends nothing for the spec's timeout while the trainer waits (it reports when it is ready
-        and when it starts each request: a hang inside one request or in its start-up): MarlhfError, one line
-        naming the worker, its exit status and its log file (a hung one is killed first)."""
+    def submit_call(self, request_id: int, function: Callable[..., tuple[Any, int, int]], **arguments: Any) -> None:
+        """Ask for `function(engine, **arguments)`, run in the worker with its engine (synced with the last weights
+        sent) and without gradients; `result(request_id)` returns its result. `function` travels by name (a
+        module-level function) and returns (its result, CPU tensors only; the rows; the tokens generated): a
+        layer above the engines runs its own work this way (the episodes of an environment)."""
+        self._put(("call", request_id, function, arguments))
+
+    def result(self, request_id: int) -> tuple[Any, float, int]:
+        """(the result of request `request_id`, a Generation for `submit`; the worker's seconds on it; its tokens
+        generated). A worker that dies or fails, or sends nothing for the spec's timeout while the trainer waits (it
+        reports when it is ready and when it starts each request: a hang inside one request or in its start-up):
+        MarlhfError, one line naming the worker, its exit status and its log file (a hung one is killed first)."""
         deadline = time.monotonic() + self.spec.timeout
         while request_id not in self.pending:
             try:
@@ -151,8 +160,7 @@ class RolloutWorker:
                 raise self._failure(f"failed: {message[1]} (exit status {self.process.exitcode})")
             if message[0] == "done":
                 self.pending[message[1]] = message[2:]
-        response_ids, response_mask, logprobs, seconds = self.pending.pop(request_id)
-        return Generation(response_ids, response_mask, logprobs), seconds, int(response_mask.sum())
+        return self.pending.pop(request_id)
 
     def close(self) -> None:
         """Stop the worker: ask, then terminate, then kill. Safe to call twice and on a dead worker."""
@@ -221,21 +229,18 @@ def _serve(spec: WorkerSpec, parent_pid: int, requests, results) -> None:
                     raise ValueError(f"the policy's weights {sorted(missing)[:3]} are not in the worker's model")
                 model.load_state_dict(message[1], strict=False)
                 synced = False
-            elif kind == "generate":
-                request_id, prompt_ids, prompt_mask, row_seeds, sampling = message[1:]
+            elif kind == "call":
+                request_id, function, arguments = message[1:]
                 results.put(("started", request_id))
                 start = time.perf_counter()
                 if not synced:
                     engine.sync_weights(model)
                     synced = True
                 with torch.no_grad():
-                    generation = engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds, **sampling)
-                logprobs = generation.logprobs.cpu() if generation.logprobs is not None else None
+                    value, rows, tokens = function(engine, **arguments)
                 seconds = time.perf_counter() - start
-                results.put(("done", request_id, generation.response_ids.cpu(), generation.response_mask.cpu(),
-                             logprobs, seconds))
-                print(f"request {request_id}: {len(row_seeds)} rows, {int(generation.response_mask.sum())} tokens, "
-                      f"{seconds:.3f} s", flush=True)
+                results.put(("done", request_id, value, seconds, tokens))
+                print(f"request {request_id}: {rows} rows, {tokens} tokens, {seconds:.3f} s", flush=True)
     except BaseException as error:  # the trainer reads the line; the traceback stays in the log
         traceback.print_exc()
         results.put(("error", one_line(error)))
@@ -245,6 +250,16 @@ def _serve(spec: WorkerSpec, parent_pid: int, requests, results) -> None:
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
+
+
+def _generate(engine: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_seeds: list[int],
+              **sampling: Any) -> tuple[Generation, int, int]:
+    """A `submit` request in the worker: the engine's Generation, on the CPU."""
+    generation = engine.generate(prompt_ids, prompt_mask, row_seeds=row_seeds, **sampling)
+    logprobs = generation.logprobs.cpu() if generation.logprobs is not None else None
+    response_mask = generation.response_mask.cpu()
+    return (Generation(generation.response_ids.cpu(), response_mask, logprobs), len(row_seeds),
+            int(response_mask.sum()))
 
 
 @contextlib.contextmanager

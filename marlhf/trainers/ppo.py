@@ -130,7 +130,8 @@ def train_steps(run: PPORun, start_step: int, logger: MetricsLogger, checkpointe
     # rollout workers: started here, stopped when the steps end, also on an error (no orphan process)
     run.rollouts = StaleRollouts.for_run(
         config, run.plugins.engine.options, accelerator.process_index, start_step, plan.total_steps,
-        lambda step: _rollout_request(run, step)[1], run.sampling) if config.async_rollout.rollout_workers else None
+        lambda step: _rollout_request(run, step)[1], run.sampling, run.episodes) \
+        if config.async_rollout.rollout_workers else None
     # closed on any exception too (Ctrl-C), so that the error's line starts on a line of its own
     with contextlib.closing(run.rollouts) if run.rollouts else contextlib.nullcontext(), \
             tqdm(initial=start_step, total=plan.total_steps, desc="ppo",
@@ -184,7 +185,8 @@ def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]
     first_row = accelerator.process_index * config.rollout_size
     row_seeds = [mixed_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
     device = accelerator.device
-    return rows, RolloutRequest(prompt_ids.to(device), prompt_mask.bool().to(device), row_seeds)
+    return rows, RolloutRequest(prompt_ids.to(device), prompt_mask.bool().to(device), row_seeds,
+                                [run.prompt_records[i] for i in rows])
 
 
 # ---------------------------------------------------------------------------------------------- the stages

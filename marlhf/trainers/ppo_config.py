@@ -264,7 +264,8 @@ class PPOConfig(TrainingConfig):
     env: str | None = option(
         None, "train on episodes of this environment (marlhf.envs): a registered name, package.module:Class or "
               "path/to/file.py:Class; each step's episodes start from env.reset(seed, task), task = the dataset "
-              "record; the score is the environment's rewards (none: single-turn prompts)")
+              "record; the score is the environment's rewards; the episodes run on rollout_engine, here or in the "
+              "rollout workers (none: single-turn prompts)")
     env_options: dict[str, Any] | None = option(
         None, "the environment's own options, a YAML mapping (what it registered with register_env)")
     multi_turn_options: dict[str, Any] | None = option(
@@ -437,22 +438,20 @@ class PPOConfig(TrainingConfig):
         return self.block_options("multi_turn")
 
     def _check_env(self) -> None:
-        """--env runs episodes on the hf engine in this process, scored by the environment; the rest not yet."""
+        """--env runs episodes on the rollout engine, in this process or in the rollout workers, scored by the
+        environment; the rest not yet."""
         if self.env is None:
             if self.env_options:
                 raise ValueError("env_options needs env (the environment they configure)")
             return
-        refused = [name for name, used in (("rollout_workers", self.async_rollout.rollout_workers),
-                                           (f"rollout_engine={self.rollout_engine!r}", self.rollout_engine != "hf"),
+        refused = [name for name, used in (("rollout_engine='vllm_server'", self.rollout_engine == "vllm_server"),
                                            ("reward_fns", self.reward_fns), ("reward='code'", self.reward == "code"),
                                            (f"advantage={self.advantage!r}", self.advantage == "mc_segment"),
-                                           ("old_logprobs_from='sampling'", self.keeps_sampling_logprobs),
-                                           ("the engine's log-probs (log_rollout_logprob_diff, tis_cap)",
-                                            self.compares_rollout_logprobs))
+                                           ("old_logprobs_from='sampling'", self.keeps_sampling_logprobs))
                    if used]
         if refused:
-            raise ValueError(f"env={self.env!r} with {', '.join(refused)}: not yet (multi-turn training runs on the "
-                             "hf engine in the trainer's process, scored by the environment's rewards)")
+            raise ValueError(f"env={self.env!r} with {', '.join(refused)}: not yet (multi-turn training runs episodes "
+                             "on a rollout engine here or in rollout workers, scored by the environment's rewards)")
 
     def block_options(self, kind: str) -> Any:
         """The options of the block of no plug-in kind `kind` (BLOCKS), as its dataclass."""

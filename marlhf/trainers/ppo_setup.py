@@ -17,6 +17,7 @@ from marlhf.data.encoding import prompt_token_ids
 from marlhf.engines import EngineContext, RolloutEngine
 from marlhf.kl_control import AdaptiveKLController
 from marlhf.modeling import AdaptersDisabled, ScalarHeadModel, apply_lora, load_causal_lm
+from marlhf.multiturn import EpisodeSpec
 from marlhf.plugins import Plugin
 from marlhf.rewards import code_reward_fn
 from marlhf.rewards.functions import RewardFunctions, takes_record_fields
@@ -140,6 +141,15 @@ class PPORun:
         config = self.config
         return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                     eos_token_id=self.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+
+    @property
+    def episodes(self) -> EpisodeSpec | None:
+        """What runs a step's episodes besides the engine (here or in a rollout worker); None without config.env."""
+        config = self.config
+        if config.env is None:
+            return None
+        return EpisodeSpec(config.env, config.env_options, self.tokenizer, config.multi_turn, config.max_length,
+                           self.sampling)
 
     def train(self, mode: bool = True) -> None:
         for updater in self.updaters:

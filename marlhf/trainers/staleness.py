@@ -16,6 +16,10 @@ start_step: after a resume the first k steps are less stale than the uninterrupt
 
 With several workers each step's rows are split into contiguous shares, one per worker; a row's response depends
 only on its prompt, its seed and the weights, so the split changes which process samples it, not what it is.
+
+With an environment (`episodes`, PPOConfig.env) a worker runs its share's episodes itself: it makes the
+environments from the spec, runs them on its engine (marlhf.multiturn.run_episodes) and sends back a
+MultiTurnRollout; an episode depends only on its seed, its task and the weights, so the same holds.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from marlhf.engines.base import Generation
+from marlhf.engines.base import Generation, RolloutEngine
 from marlhf.engines.worker import RolloutWorker, WorkerSpec
+from marlhf.multiturn import EpisodeSpec, MultiTurnRollout, concat_rollouts, run_episodes
 from marlhf.trainers.ppo_config import PPOConfig
 
 __all__ = ["behaviour_version", "RolloutRequest", "StaleRollouts"]
@@ -45,21 +50,25 @@ def behaviour_version(step: int, max_staleness: int, start_step: int = 0) -> int
 
 @dataclasses.dataclass(frozen=True)
 class RolloutRequest:
-    """One step's prompts and seeds: prompt_ids long [B, P] left-padded, prompt_mask bool [B, P], row_seeds [B]."""
+    """One step's prompts and seeds: prompt_ids long [B, P] left-padded, prompt_mask bool [B, P], row_seeds [B];
+    tasks [B]: the rows' dataset records, an episode's task (with an environment)."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     row_seeds: Sequence[int]
+    tasks: Sequence[Any] = ()
 
 
 class StaleRollouts:
     """The trainer's side of the pipeline: `generation(step, policy)` at the start of each step returns the step's
-    Generation (on the prompts' device) after asking the workers for the batches up to step + max_staleness."""
+    Generation, or with `episodes` its MultiTurnRollout (on the prompts' device), after asking the workers for the
+    batches up to step + max_staleness."""
 
     def __init__(self, workers: list[RolloutWorker], max_staleness: int, start_step: int, total_steps: int | None,
-                 request: Callable[[int], RolloutRequest], sampling: dict[str, Any]) -> None:
+                 request: Callable[[int], RolloutRequest], sampling: dict[str, Any],
+                 episodes: EpisodeSpec | None = None) -> None:
         self.workers, self.max_staleness, self.start_step = workers, max_staleness, start_step
-        self.total_steps, self.request, self.sampling = total_steps, request, sampling
+        self.total_steps, self.request, self.sampling, self.episodes = total_steps, request, sampling, episodes
         self.versions: dict[int, int] = {}  # step -> the policy version that samples its batch (submitted ones)
         self.asked: dict[int, tuple[torch.device, int]] = {}  # step -> (its prompts' device, workers asked)
         self.metrics: dict[str, float] = {}  # the last step's rollout/staleness and its timings (time/)
@@ -82,10 +91,11 @@ class StaleRollouts:
 
     @classmethod
     def for_run(cls, config: PPOConfig, engine_options: Any, process_index: int, start_step: int, total_steps: int,
-                request: Callable[[int], RolloutRequest], sampling: dict[str, Any]) -> StaleRollouts:
+                request: Callable[[int], RolloutRequest], sampling: dict[str, Any],
+                episodes: EpisodeSpec | None = None) -> StaleRollouts:
         """A PPO run's workers for training process `process_index` (config.async_rollout), sampling the rollout's
-        responses with the engine's `sampling` settings. A run that min_generated_tokens may draw out past the
-        plan's last step (`total_steps`) has no last step for the workers."""
+        responses with the engine's `sampling` settings, or running the `episodes`. A run that min_generated_tokens
+        may draw out past the plan's last step (`total_steps`) has no last step for the workers."""
         options = config.async_rollout
         return cls.start(
             engine=config.rollout_engine, engine_options=engine_options, max_length=config.max_length,
@@ -93,9 +103,10 @@ class StaleRollouts:
             timeout=options.rollout_worker_timeout, output_dir=config.output_dir,
             first_index=process_index * options.rollout_workers, max_staleness=options.max_staleness,
             start_step=start_step, total_steps=None if config.min_generated_tokens is not None else total_steps,
-            request=request, sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **sampling))
+            request=request, sampling=dict(max_new_tokens=config.max_response_length, return_logprobs=True, **sampling),
+            episodes=episodes)
 
-    def generation(self, step: int, policy: nn.Module) -> Generation:
+    def generation(self, step: int, policy: nn.Module) -> Generation | MultiTurnRollout:
         """Step `step`'s batch. `policy` is version `step`: the workers get it for the batch of step + k."""
         began = time.perf_counter()
         last = step + self.max_staleness
@@ -133,14 +144,22 @@ class StaleRollouts:
         shares = self._shares(len(request.row_seeds))
         self.asked[step] = (request.prompt_ids.device, len(shares))
         for worker, share in zip(self.workers, shares):
-            worker.submit(step, request.prompt_ids[share], request.prompt_mask[share],
-                          row_seeds=list(request.row_seeds[share]), **self.sampling)
+            if self.episodes is None:
+                worker.submit(step, request.prompt_ids[share], request.prompt_mask[share],
+                              row_seeds=list(request.row_seeds[share]), **self.sampling)
+            else:
+                worker.submit_call(step, _episodes_in_worker, spec=self.episodes,
+                                   seeds=list(request.row_seeds[share]), tasks=list(request.tasks[share]))
 
-    def _collect(self, step: int) -> tuple[Generation, float, int]:
-        """The workers' shares of step `step`, right-padded to one width; the slowest share's seconds; tokens."""
+    def _collect(self, step: int) -> tuple[Generation | MultiTurnRollout, float, int]:
+        """The workers' shares of step `step`, right-padded to one width (episodes: `concat_rollouts`); the slowest
+        share's seconds; tokens."""
         device, asked = self.asked.pop(step)
         parts = [worker.result(step) for worker in self.workers[:asked]]
         seconds, tokens = max(part[1] for part in parts), sum(part[2] for part in parts)
+        if self.episodes is not None:
+            return concat_rollouts([part[0] for part in parts], self.sampling["pad_token_id"]).to(device), seconds, \
+                tokens
         generations = [part[0] for part in parts]
         if len(generations) == 1:
             generation = generations[0]
@@ -154,6 +173,14 @@ class StaleRollouts:
                 torch.cat([_right_pad(g.logprobs, width, 0.0) for g in generations]))
         return Generation(generation.response_ids.to(device), generation.response_mask.to(device),
                           None if generation.logprobs is None else generation.logprobs.to(device)), seconds, tokens
+
+
+def _episodes_in_worker(engine: RolloutEngine, spec: EpisodeSpec, seeds: list[int],
+                        tasks: list[Any]) -> tuple[MultiTurnRollout, int, int]:
+    """A share of a step's episodes, run in a rollout worker (RolloutWorker.submit_call): its rollout on the CPU,
+    its rows and its action tokens."""
+    rollout = run_episodes(engine, spec, seeds, tasks)
+    return rollout, len(seeds), int(rollout.action_mask.sum())
 
 
 def _right_pad(tensor: torch.Tensor, width: int, value: Any) -> torch.Tensor:

@@ -12,10 +12,12 @@ import torch
 from marlhf import cli
 from marlhf._checks import trusted_inputs
 from marlhf.checkpoint import list_checkpoints
+from marlhf.errors import MarlhfError
 from marlhf.logging_utils import read_metrics
 from marlhf.segments import num_segments
 from marlhf.trainers import ppo
 from marlhf.trainers.ppo import PPOConfig
+from tests.fixtures.guess_env import GuessNumber
 from tests.trainers.killed_run import run_until_killed
 
 GUESS_ENV = "tests/fixtures/guess_env.py:GuessNumber"
@@ -113,13 +115,75 @@ def _without_timings(output_dir) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize(("options", "refused"), [
-    ({"rollout_workers": 1}, "rollout_workers"), ({"rollout_engine": "vllm"}, "rollout_engine='vllm'"),
     ({"rollout_engine": "vllm_server"}, "rollout_engine='vllm_server'"),
     ({"reward_fns": ("tests.rewards.test_functions:count_e",)}, "reward_fns"),
     ({"advantage": "mc_segment"}, "advantage='mc_segment'"), ({"old_logprobs_from": "sampling", "ppo_epochs": 2},
                                                               "old_logprobs_from='sampling'")])
 def test_what_env_does_not_run_yet_is_refused_in_one_line(options, refused):
-    with pytest.raises(ValueError, match=rf"^env='{GUESS_ENV}' with {refused}: not yet \(multi-turn training"):
+    with pytest.raises(ValueError, match=rf"^env='{GUESS_ENV}' with {refused}: not yet \(multi-turn training runs"):
         PPOConfig(env=GUESS_ENV, **options)
     with pytest.raises(ValueError, match="^env_options needs env"):
         PPOConfig(env_options={"turns": 2})
+
+
+# ------------------------------------------------------------------------------- in rollout workers
+def _metrics(output_dir, *also_without: str) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if k not in ("rollout/staleness", *also_without)}
+            for m in _without_timings(output_dir)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rollout_workers_at_staleness_0_train_like_the_engine_in_process(tmp_path, tiny_model_dir, workers):
+    """The workers make the environments and run the episodes themselves: every metric of the in-process run, bit
+    for bit (with two workers each counts its own generate calls)."""
+    here = tmp_path / "in_process"
+    assert cli.main(_argv(tmp_path, tiny_model_dir, here, *COMBINATIONS["turn_ppo"])) == 0
+    there = tmp_path / f"workers_{workers}"
+    assert cli.main(_argv(tmp_path, tiny_model_dir, there, *COMBINATIONS["turn_ppo"], "--rollout_workers",
+                          str(workers))) == 0
+    calls = ("env/generate_calls",) if workers > 1 else ()
+    assert _metrics(there, *calls) == _metrics(here, *calls)
+    assert {m["rollout/staleness"] for m in read_metrics(there)} == {0.0}
+    assert f"request 1: {4 // workers} rows" in (there / f"rollout_worker_{workers - 1}.log").read_text()
+
+
+def test_a_rollout_worker_runs_episodes_one_step_stale(tmp_path, tiny_model_dir):
+    """max_staleness 1: step 2's episodes come from the policy before step 1's update, corrected by the decoupled
+    loss on the engine's log-probs of the action tokens."""
+    output_dir = tmp_path / "stale"
+    assert cli.main(_argv(tmp_path, tiny_model_dir, output_dir, *COMBINATIONS["turn_ppo"], "--rollout_workers", "1",
+                          "--max_staleness", "1", "--max_steps", "3")) == 0
+    metrics = read_metrics(output_dir)
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(0 < m["policy/behaviour_weight_mean"] < 10 and m["env/episodes"] == 4 for m in metrics)
+    assert metrics[1]["rollout/logprob_diff_max"] > 0  # a stale batch: behaviour and proximal policies differ
+
+
+def test_the_engines_log_probs_of_the_actions_match_the_trainers(tmp_path, tiny_model_dir):
+    """log_rollout_logprob_diff on episodes: the engine's log-probs (KV cache continued across turns) against the
+    trainer's forward over the whole transcript, on the action tokens."""
+    output_dir = tmp_path / "diff"
+    assert cli.main(_argv(tmp_path, tiny_model_dir, output_dir, *COMBINATIONS["turn_ppo"],
+                          "--log_rollout_logprob_diff", "true")) == 0
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for m in read_metrics(output_dir))
+
+
+class BrokenGuess(GuessNumber):
+    """GuessNumber whose second step raises."""
+
+    def step(self, action_text):
+        if self.tries == 1:
+            raise KeyError("lost the number")
+        return super().step(action_text)
+
+
+def test_an_environment_failing_in_a_rollout_worker_stops_the_run_in_one_line(tmp_path, tiny_model_dir):
+    argv = _argv(tmp_path, tiny_model_dir, tmp_path / "broken", *COMBINATIONS["turn_ppo"], "--rollout_workers", "1",
+                 "--env", f"{__name__}:BrokenGuess", "--env_errors", "raise", "--max_turn_tokens", "1")
+    config = PPOConfig.from_arguments(cli.build_parser("ppo").parse_args(argv))
+    with pytest.raises(MarlhfError) as caught:
+        ppo.train_ppo(config)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("rollout worker 0 (pid ")
+    assert f"failed: environment '{__name__}:BrokenGuess' at turn 1 of episode " in message
+    assert "step failed: KeyError: 'lost the number'" in message
