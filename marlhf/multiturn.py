@@ -314,10 +314,10 @@ class _Runner:
             room = min(room, self.max_length - len(episode.prompt) - len(episode.tokens))
         return room
 
-    def start(self, index: int, env: Any, seed: int, task: Any) -> _Episode:
+    def start(self, index: int, env: Any, seed: int, env_seed: int, task: Any) -> _Episode:
         episode = _Episode(index, env, int(seed), [])
         try:
-            observation, _ = env.reset(int(seed), task)
+            observation, _ = env.reset(int(env_seed), task)
         except Exception as error:
             raise MarlhfError(f"{self.where(episode)}: reset raised {type(error).__name__}: {error}") from None
         self.check(episode, observation)
@@ -515,25 +515,28 @@ class _Runner:
 
 
 def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *, seeds: Sequence[int],
-                     tasks: Sequence[Any] | None = None, options: MultiTurnOptions | None = None,
+                     env_seeds: Sequence[int] | None = None, tasks: Sequence[Any] | None = None,
+                     options: MultiTurnOptions | None = None,
                      max_length: int | None = None, env_name: str | None = None,
                      device: torch.device | str = "cpu") -> MultiTurnRollout:
     """Run one episode per environment (fresh instances, one each) to its end, all in the same rounds: reset env b
-    with `seeds[b]` and `tasks[b]` (None without tasks), then each round generate every live episode's next turn
+    with `env_seeds[b]` (default `seeds[b]`) and `tasks[b]` (None without tasks), sample its turns from `seeds[b]`
+    (`turn_seed`), then each round generate every live episode's next turn
     together and step each environment (module docstring). `generate(ids, mask, row_seeds, max_new_tokens)`
     samples each row from its seed and returns its log-probs (`EngineSampler`); `max_length`: the most positions
     of prompt + response (the model's, `marlhf.engines.model_positions`, or the run's context; None: no limit but
     `options.max_response_tokens`); `env_name` names the environment in errors (default: its class name);
     `device`: where the engine's inputs and the returned tensors go."""
     options = options or MultiTurnOptions()
-    if len(seeds) != len(envs) or (tasks is not None and len(tasks) != len(envs)):
-        raise ValueError(f"rollout_episodes: {len(envs)} environments need as many seeds (got {len(seeds)}) and "
-                         f"tasks (got {'none' if tasks is None else len(tasks)})")
+    env_seeds = seeds if env_seeds is None else env_seeds
+    if len(seeds) != len(envs) or len(env_seeds) != len(envs) or (tasks is not None and len(tasks) != len(envs)):
+        raise ValueError(f"rollout_episodes: {len(envs)} environments need as many seeds (got {len(seeds)}), "
+                         f"env_seeds (got {len(env_seeds)}) and tasks (got {'none' if tasks is None else len(tasks)})")
     if not envs:
         raise ValueError("rollout_episodes needs at least one environment")
     runner = _Runner(generate, tokenizer, options, max_length, env_name, device)
-    episodes = [runner.start(index, env, seed, None if tasks is None else tasks[index])
-                for index, (env, seed) in enumerate(zip(envs, seeds))]
+    episodes = [runner.start(index, env, seed, env_seed, None if tasks is None else tasks[index])
+                for index, (env, seed, env_seed) in enumerate(zip(envs, seeds, env_seeds))]
     while live := [episode for episode in episodes if not episode.done]:
         for episode, action_text in zip(live, runner.act(live)):
             runner.step(episode, action_text)
@@ -555,13 +558,14 @@ class EpisodeSpec:
     sampling: dict[str, Any]
 
 
-def run_episodes(engine: RolloutEngine, spec: EpisodeSpec, seeds: Sequence[int], tasks: Sequence[Any] | None,
-                 device: torch.device | str = "cpu") -> MultiTurnRollout:
+def run_episodes(engine: RolloutEngine, spec: EpisodeSpec, seeds: Sequence[int], env_seeds: Sequence[int] | None,
+                 tasks: Sequence[Any] | None, device: torch.device | str = "cpu") -> MultiTurnRollout:
     """One episode per seed, each of a fresh environment made from `spec`, on `engine` (`rollout_episodes`): what
     the trainer's process and a rollout worker run for a step's rows."""
     envs = [make_env(spec.env, spec.env_options) for _ in seeds]
-    return rollout_episodes(envs, EngineSampler(engine, **spec.sampling), spec.tokenizer, seeds=seeds, tasks=tasks,
-                            options=spec.options, max_length=spec.max_length, env_name=spec.env, device=device)
+    return rollout_episodes(envs, EngineSampler(engine, **spec.sampling), spec.tokenizer, seeds=seeds,
+                            env_seeds=env_seeds, tasks=tasks, options=spec.options, max_length=spec.max_length,
+                            env_name=spec.env, device=device)
 
 
 # how each [B, ...] field of a MultiTurnRollout is padded: the side and the fill (None: the pad id)

@@ -276,7 +276,7 @@ def test_the_vllm_engine_in_a_rollout_worker_samples_what_it_samples_here(coloca
         worker.send_weights(model)
         worker.submit(0, prompt_ids, prompt_mask, row_seeds=seeds, return_logprobs=True,
                       eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id, **SAMPLING)
-        worker.submit_call(1, _episodes_in_worker, spec=spec, seeds=seeds, tasks=[None] * 4)
+        worker.submit_call(1, _episodes_in_worker, spec=spec, seeds=seeds, env_seeds=seeds, tasks=[None] * 4)
         generation, seconds, tokens = worker.result(0)
         episodes, _, action_tokens = worker.result(1)
     finally:
@@ -284,7 +284,7 @@ def test_the_vllm_engine_in_a_rollout_worker_samples_what_it_samples_here(coloca
     assert not worker.process.is_alive()
     _same(generation, _generate(engine, tiny_tokenizer, seeds))
     assert tokens == int(generation.response_mask.sum()) and seconds > 0
-    here = run_episodes(engine, spec, seeds, [None] * 4)
+    here = run_episodes(engine, spec, seeds, None, [None] * 4)
     for name in ("response_ids", "response_mask", "action_mask", "turn_ids", "turn_rewards"):
         assert torch.equal(getattr(episodes, name), getattr(here, name)), name
     assert torch.allclose(episodes.logprobs, here.logprobs, atol=TOL, rtol=0)

@@ -152,6 +152,35 @@ def test_a_batched_rollout_equals_the_episodes_run_one_at_a_time(policy, noise):
         assert batched.turn_rewards[b, :tasks[b]].tolist() == alone.turn_rewards[0].tolist()
 
 
+class SeedRecorder(Script):
+    """Script that records the seed its reset got."""
+
+    def reset(self, seed, task=None):
+        self.reset_seed = seed
+        return super().reset(seed, task)
+
+
+def test_env_seeds_reset_the_environments_and_seeds_sample_the_turns(policy):
+    """Two episodes reset with one env seed (a prompt's group) start from one state and sample from their own seeds:
+    each equals its episode run alone with that env seed, and, with an env seed that its observations do not show
+    (7 and 4 both give 'start 1'), what it samples under its own seed alone."""
+    tasks, seeds = [2, 2], [5, 6]
+    envs = [SeedRecorder() for _ in tasks]
+    options = MultiTurnOptions(max_turn_tokens=6, max_response_tokens=40)
+    grouped = rollout_episodes(envs, _sampler(policy), TOKENIZER, seeds=seeds, env_seeds=[7, 7], tasks=tasks,
+                               options=options, max_length=model_positions(policy))
+    assert [env.reset_seed for env in envs] == [7, 7]
+    assert grouped.turn_state_ids[0, 0] == grouped.turn_state_ids[1, 0]  # one anchor state at turn 0
+    for b in range(2):
+        alone = rollout_episodes([SeedRecorder()], _sampler(policy), TOKENIZER, seeds=seeds[b:b + 1],
+                                 env_seeds=[4], tasks=tasks[b:b + 1], options=options,
+                                 max_length=model_positions(policy))
+        assert _row(grouped, b)[:3] == _row(alone, 0)[:3]
+    assert _row(grouped, 0)[0] != _row(grouped, 1)[0]  # the samples differ
+    with pytest.raises(ValueError, match="env_seeds"):
+        rollout_episodes([Script(), Script()], _sampler(policy), TOKENIZER, seeds=[0, 1], env_seeds=[0])
+
+
 def test_shares_joined_by_concat_rollouts_are_the_whole_batch(policy):
     """What the trainer makes of two rollout workers' shares (marlhf.trainers.staleness): the rollout of all the
     rows at once, padding and state ids included; the counts summed (each share counts its own generate calls)."""

@@ -33,7 +33,8 @@ def sample_and_score_episodes(run: PPORun, step: int, rows: list[int], request: 
     run.engine.sync_weights(accelerator.unwrap_model(run.policy))
     with accelerator.autocast(), torch.no_grad():
         if run.rollouts is None:
-            rollout = run_episodes(run.engine, run.episodes, request.row_seeds, request.tasks, accelerator.device)
+            rollout = run_episodes(run.engine, run.episodes, request.row_seeds, request.env_seeds, request.tasks,
+                                   accelerator.device)
         else:
             rollout = run.rollouts.generation(step, accelerator.unwrap_model(run.policy))
     clock["generation"] = device_clock(accelerator.device)

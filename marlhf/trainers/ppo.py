@@ -184,9 +184,13 @@ def _rollout_request(run: PPORun, step: int) -> tuple[list[int], RolloutRequest]
     # depend on the number of processes, and a resumed run draws what the uninterrupted one drew.
     first_row = accelerator.process_index * config.rollout_size
     row_seeds = [mixed_seed(config.seed, step, first_row + row) for row in range(config.rollout_size)]
+    # A prompt's episodes start from one environment state (its first row's seed), as verl-agent's groups do: group
+    # baselines and GiGPO's anchor states compare actions, not environments.
+    n = config.num_samples_per_prompt
+    env_seeds = [row_seeds[row - row % n] for row in range(config.rollout_size)]
     device = accelerator.device
     return rows, RolloutRequest(prompt_ids.to(device), prompt_mask.bool().to(device), row_seeds,
-                                [run.prompt_records[i] for i in rows])
+                                [run.prompt_records[i] for i in rows], env_seeds)
 
 
 # ---------------------------------------------------------------------------------------------- the stages

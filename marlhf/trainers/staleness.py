@@ -51,12 +51,14 @@ def behaviour_version(step: int, max_staleness: int, start_step: int = 0) -> int
 @dataclasses.dataclass(frozen=True)
 class RolloutRequest:
     """One step's prompts and seeds: prompt_ids long [B, P] left-padded, prompt_mask bool [B, P], row_seeds [B];
-    tasks [B]: the rows' dataset records, an episode's task (with an environment)."""
+    with an environment, tasks [B] (the rows' dataset records, an episode's task) and env_seeds [B] (each episode's
+    reset seed)."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     row_seeds: Sequence[int]
     tasks: Sequence[Any] = ()
+    env_seeds: Sequence[int] = ()
 
 
 class StaleRollouts:
@@ -149,7 +151,8 @@ class StaleRollouts:
                               row_seeds=list(request.row_seeds[share]), **self.sampling)
             else:
                 worker.submit_call(step, _episodes_in_worker, spec=self.episodes,
-                                   seeds=list(request.row_seeds[share]), tasks=list(request.tasks[share]))
+                                   seeds=list(request.row_seeds[share]), env_seeds=list(request.env_seeds[share]),
+                                   tasks=list(request.tasks[share]))
 
     def _collect(self, step: int) -> tuple[Generation | MultiTurnRollout, float, int]:
         """The workers' shares of step `step`, right-padded to one width (episodes: `concat_rollouts`); the slowest
@@ -175,11 +178,11 @@ class StaleRollouts:
                           None if generation.logprobs is None else generation.logprobs.to(device)), seconds, tokens
 
 
-def _episodes_in_worker(engine: RolloutEngine, spec: EpisodeSpec, seeds: list[int],
+def _episodes_in_worker(engine: RolloutEngine, spec: EpisodeSpec, seeds: list[int], env_seeds: list[int],
                         tasks: list[Any]) -> tuple[MultiTurnRollout, int, int]:
     """A share of a step's episodes, run in a rollout worker (RolloutWorker.submit_call): its rollout on the CPU,
     its rows and its action tokens."""
-    rollout = run_episodes(engine, spec, seeds, tasks)
+    rollout = run_episodes(engine, spec, seeds, env_seeds, tasks)
     return rollout, len(seeds), int(rollout.action_mask.sum())
 
 

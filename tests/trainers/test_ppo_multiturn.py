@@ -187,3 +187,25 @@ def test_an_environment_failing_in_a_rollout_worker_stops_the_run_in_one_line(tm
     assert "\n" not in message and message.startswith("rollout worker 0 (pid ")
     assert f"failed: environment '{__name__}:BrokenGuess' at turn 1 of episode " in message
     assert "step failed: KeyError: 'lost the number'" in message
+
+
+class SeedLog(GuessNumber):
+    """GuessNumber that logs its reset seeds (the trainer's process makes the environments)."""
+
+    seeds: list[int] = []
+
+    def reset(self, seed, task=None):
+        SeedLog.seeds.append(seed)
+        return super().reset(seed, task)
+
+
+def test_a_prompts_episodes_share_their_environment_seed(tmp_path, tiny_model_dir):
+    """num_samples_per_prompt 2: each step's 4 episodes reset in pairs of one seed (a prompt's group starts from one
+    state, as verl-agent's groups do), the two prompts' seeds differ, and so do the steps'."""
+    SeedLog.seeds = []
+    argv = _argv(tmp_path, tiny_model_dir, tmp_path / "grpo", *COMBINATIONS["grpo"])
+    argv[argv.index(GUESS_ENV)] = f"{__name__}:SeedLog"
+    assert cli.main(argv) == 0
+    seeds = SeedLog.seeds
+    assert len(seeds) == 8 and all(seeds[i] == seeds[i + 1] for i in range(0, 8, 2))
+    assert len(set(seeds[::2])) == 4
