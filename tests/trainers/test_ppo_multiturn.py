@@ -132,7 +132,7 @@ def _metrics(output_dir, *also_without: str) -> list[dict[str, float]]:
             for m in _without_timings(output_dir)]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: the slow suite
 def test_rollout_workers_at_staleness_0_train_like_the_engine_in_process(tmp_path, tiny_model_dir, workers):
     """The workers make the environments and run the episodes themselves: every metric of the in-process run, bit
     for bit (with two workers each counts its own generate calls)."""
@@ -147,6 +147,7 @@ def test_rollout_workers_at_staleness_0_train_like_the_engine_in_process(tmp_pat
     assert f"request 1: {4 // workers} rows" in (there / f"rollout_worker_{workers - 1}.log").read_text()
 
 
+@pytest.mark.slow  # the default suite keeps staleness 0; staleness itself is tested in tests/trainers/test_async_ppo.py
 def test_a_rollout_worker_runs_episodes_one_step_stale(tmp_path, tiny_model_dir):
     """max_staleness 1: step 2's episodes come from the policy before step 1's update, corrected by the decoupled
     loss on the engine's log-probs of the action tokens."""
