@@ -6,8 +6,9 @@ sync sends every tensor, later ones only the buckets training can change, each t
 merged layers, then the adapted ones only). In the vLLM venv
 (scripts/ci_vllm.sh runs this file there and fails on a skip): `marlhf vllm-serve` in its own process against
 the colocated vllm engine, before and after a weight sync (same tokens, log-probs within test_engine_vllm's
-TOL), stopped by SIGTERM with exit 0; and the vllm engine inside a RolloutWorker against the colocated one,
-responses and episodes.
+TOL), stopped by SIGTERM with exit 0; episodes of an environment through the server against the colocated
+engine's, and two `--env` PPO steps through the CLI; and the vllm engine inside a RolloutWorker against the
+colocated one, responses and episodes.
 """
 
 from __future__ import annotations
@@ -289,3 +290,64 @@ def test_the_vllm_engine_in_a_rollout_worker_samples_what_it_samples_here(coloca
         assert torch.equal(getattr(episodes, name), getattr(here, name)), name
     assert torch.allclose(episodes.logprobs, here.logprobs, atol=TOL, rtol=0)
     assert action_tokens == int(here.action_mask.sum()) and here.num_turns.max() > 1
+
+
+def _guess_spec(tokenizer):
+    """The episodes of tests/fixtures/guess_env.py, three turns of at most five tokens, with SAMPLING's settings."""
+    from marlhf.multiturn import EpisodeSpec, MultiTurnOptions
+
+    return EpisodeSpec("tests/fixtures/guess_env.py:GuessNumber", None, tokenizer,
+                       MultiTurnOptions(max_turns=3, max_turn_tokens=5), 128,
+                       dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            **{k: v for k, v in SAMPLING.items() if k != "max_new_tokens"}))
+
+
+@needs_vllm
+def test_the_servers_episodes_are_the_colocated_engines(colocated, server, tiny_tokenizer):
+    """Episodes run here, each round asked of the server (EngineSampler, no cache to continue): the same tokens,
+    turns and rewards as on the colocated engine, log-probs within TOL."""
+    from marlhf.multiturn import run_episodes
+
+    engine, model, _ = colocated
+    port, group_port = server
+    client = VLLMServerEngine(EngineContext(options=VLLMServerOptions(
+        server_url=f"http://127.0.0.1:{port}", server_group_port=group_port, server_connect_timeout=600,
+        server_timeout=300)))
+    spec, seeds = _guess_spec(tiny_tokenizer), [7, 8, 9, 10]
+    try:
+        client.sync_weights(model)
+        engine.sync_weights(model)
+        remote = run_episodes(client, spec, seeds, None, [None] * 4)
+    finally:
+        client.close()
+    here = run_episodes(engine, spec, seeds, None, [None] * 4)
+    for name in ("response_ids", "response_mask", "action_mask", "turn_ids", "turn_rewards"):
+        assert torch.equal(getattr(remote, name), getattr(here, name)), name
+    assert torch.allclose(remote.logprobs, here.logprobs, atol=TOL, rtol=0)
+    assert here.num_turns.max() > 1 and remote.metrics["env/generate_calls"] == here.metrics["env/generate_calls"]
+
+
+@needs_vllm
+def test_the_example_environment_trains_two_steps_with_the_server(server, tiny_tokenizer, tmp_path):
+    """`marlhf ppo --env tests/fixtures/guess_env.py:GuessNumber --rollout_engine vllm_server`: turn-level PPO for
+    two steps, the environments in the trainer's process, each round sampled by the server."""
+    from marlhf import cli
+    from marlhf.logging_utils import read_metrics
+    from tests.trainers.test_ppo_multiturn import COMBINATIONS, _argv
+
+    port, group_port = server
+    model_dir = tmp_path / "model"
+    _model(tiny_tokenizer, head_scale=1.0).save_pretrained(model_dir)  # the server's model until the first sync
+    tiny_tokenizer.save_pretrained(model_dir)
+    output_dir = tmp_path / "env_server"
+    options = f"{{server_url: 'http://127.0.0.1:{port}', server_group_port: {group_port}}}"
+    assert cli.main(_argv(tmp_path, model_dir, output_dir, *COMBINATIONS["turn_ppo"], "--rollout_engine",
+                          "vllm_server", "--rollout_engine_options", options, "--log_rollout_logprob_diff",
+                          "true")) == 0
+    metrics = read_metrics(output_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/episodes"] == 4 and m["env/observation_tokens"] > 0 for m in metrics)
+    assert all(m["env/generate_calls"] >= 2 for m in metrics)  # a request per round
+    assert metrics[0]["objective/kl"] == 0 != metrics[1]["objective/kl"]  # step 1's update moved the policy
+    assert all(m["rollout/logprob_diff_max"] < TOL for m in metrics)  # and the server samples with it
+    assert (output_dir / "model.safetensors").exists()

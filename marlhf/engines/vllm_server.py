@@ -22,6 +22,8 @@ Two channels, as in TRL:
 With several training processes each samples its own rows through the same server; the weights are sent by the
 main process alone (the sharded gathers run on all, as they do for the colocated engine), and the processes
 wait for each other after a sync, so that no process asks for a rollout before the new weights are in.
+Episodes of an environment (`--env`) run in the trainer's process, which asks `/generate` once per round for every
+live episode's whole context (marlhf.multiturn.EngineSampler): they are the colocated engine's episodes.
 A server that does not answer `/health` within `server_connect_timeout` seconds (default 10) stops the run when the
 engine is made, before the models load, with one line.
 """

@@ -438,14 +438,14 @@ class PPOConfig(TrainingConfig):
         return self.block_options("multi_turn")
 
     def _check_env(self) -> None:
-        """--env runs episodes on the rollout engine, in this process or in the rollout workers, scored by the
-        environment; the rest not yet."""
+        """--env runs episodes on the rollout engine (a server's too: the environments stay in this process, which
+        asks it for each round), in this process or in the rollout workers, scored by the environment; the rest not
+        yet."""
         if self.env is None:
             if self.env_options:
                 raise ValueError("env_options needs env (the environment they configure)")
             return
-        refused = [name for name, used in (("rollout_engine='vllm_server'", self.rollout_engine == "vllm_server"),
-                                           ("reward_fns", self.reward_fns), ("reward='code'", self.reward == "code"),
+        refused = [name for name, used in (("reward_fns", self.reward_fns), ("reward='code'", self.reward == "code"),
                                            (f"advantage={self.advantage!r}", self.advantage == "mc_segment"),
                                            ("old_logprobs_from='sampling'", self.keeps_sampling_logprobs))
                    if used]

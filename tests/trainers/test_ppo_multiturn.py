@@ -115,7 +115,6 @@ def _without_timings(output_dir) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize(("options", "refused"), [
-    ({"rollout_engine": "vllm_server"}, "rollout_engine='vllm_server'"),
     ({"reward_fns": ("tests.rewards.test_functions:count_e",)}, "reward_fns"),
     ({"advantage": "mc_segment"}, "advantage='mc_segment'"), ({"old_logprobs_from": "sampling", "ppo_epochs": 2},
                                                               "old_logprobs_from='sampling'")])
