@@ -466,8 +466,8 @@ def train_supervised(config: TrainingConfig, accelerator: Accelerator, model: to
 # ---- rows of all processes, and device-synchronised time (PPO's stages)
 def gather_rows(accelerator, x: torch.Tensor) -> torch.Tensor:
     """The rows of every process stacked in process order ([B, T] rows right-padded to one width)."""
-    if x.dim() == 2:
-        x = accelerator.pad_across_processes(x, dim=1)
+    if x.dim() == 2:  # Accelerate pads by adding its pad index, which turns a bool mask into int64
+        x = accelerator.pad_across_processes(x, dim=1).to(x.dtype)
     return accelerator.gather(x)
 
 

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ppo_data_parallel_run.py \
         OUT PROMPTS_PER_PROCESS ADVANTAGE [ddp|fsdp|zero2|zero3] [--max_steps N] [--save_steps N] [--resume ...] \
-        [--rollout_engine vllm]
+        [--rollout_engine vllm] [--env tests/fixtures/guess_env.py:GuessNumber]
 
 fsdp: the policy and the critic sharded by FSDP2 with the settings of configs/accelerate/fsdp.yaml, in float32
 on CPU (see `_fsdp_on_cpu`). zero2, zero3: an engine each for policy and critic under DeepSpeed ZeRO-2 / ZeRO-3
@@ -10,6 +10,7 @@ with the settings of configs/accelerate/deepspeed_zero2.yaml / deepspeed_zero3.y
 `_deepspeed_on_cpu`; needs deepspeed installed). --max_steps (default 2), --save_steps (default 0: no checkpoints) and --resume
 set PPOConfig's options of these names. --rollout_engine vllm (in the vLLM venv) samples with one vLLM engine per
 process from a model vLLM supports (head size 64, tests/test_engine_vllm.py) and logs rollout/logprob_diff.
+--env trains on episodes of that environment (termination `turn`, its rewards instead of count_e).
 """
 
 from __future__ import annotations
@@ -81,30 +82,34 @@ def _deepspeed_on_cpu(stage: int) -> None:
 
 
 def main(output_dir: str, prompts_per_process: int, advantage: str, sharding: str = "ddp", max_steps: int = 2,
-         save_steps: int = 0, resume: str | None = None, rollout_engine: str = "hf") -> None:
+         save_steps: int = 0, resume: str | None = None, rollout_engine: str = "hf", env: str | None = None) -> None:
     if sharding == "fsdp":
         _fsdp_on_cpu()
     elif sharding.startswith("zero"):
         _deepspeed_on_cpu(int(sharding.removeprefix("zero")))
     tokenizer = build_tiny_tokenizer()
     rollout_size = prompts_per_process * 2
+    task_options = dict(max_length=64, ngram=2) if env is None else dict(
+        env=env, termination="turn", max_length=128,
+        multi_turn_options={"max_turns": 3, "max_turn_tokens": 4, "max_response_tokens": 48})
     config = PPOConfig(output_dir=output_dir, model_name_or_path="unused", per_device_batch_size=prompts_per_process,
                        num_samples_per_prompt=2, mini_batch_size=rollout_size, gradient_accumulation_steps=2,
-                       max_prompt_length=32, max_response_length=6, max_length=64, max_steps=max_steps, ngram=2,
+                       max_prompt_length=32, max_response_length=6, max_steps=max_steps,
                        advantage=advantage, whiten_advantages=advantage == "gae", learning_rate=1e-2,
                        critic_learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant", save_steps=save_steps,
                        resume=resume, seed=5,
                        # the reinforce runs sample with the counter-hash noise, so it is checked across processes too
                        sampling_noise="counter_hash" if advantage == "reinforce" else "row_generators",
                        rollout_engine=rollout_engine, log_rollout_logprob_diff=rollout_engine == "vllm",
-                       rollout_engine_options={"kv_cache_gib": 1} if rollout_engine == "vllm" else None)
+                       rollout_engine_options={"kv_cache_gib": 1} if rollout_engine == "vllm" else None,
+                       **task_options)
     if rollout_engine == "vllm":
         from tests.test_engine_vllm import _model
 
         model = _model(tokenizer, head_scale=1.0).train()
     else:
         model = build_tiny_causal_lm(tokenizer)
-    policy = train_ppo(config, RECORDS, policy=model, tokenizer=tokenizer, reward_fn=count_e)
+    policy = train_ppo(config, RECORDS, policy=model, tokenizer=tokenizer, reward_fn=None if env else count_e)
     if sharding == "fsdp":
         from torch.distributed.fsdp import FSDPModule
 
@@ -128,4 +133,5 @@ if __name__ == "__main__":
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume")
     parser.add_argument("--rollout_engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--env")
     main(**vars(parser.parse_args()))

@@ -228,3 +228,24 @@ def test_lora_under_fsdp_is_an_error(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="use_lora does not work under FSDP"):
         common.make_accelerator(config)
     assert common.make_accelerator(dataclasses.replace(config, use_lora=False)) is fsdp
+
+
+GUESS_ENV = "tests/fixtures/guess_env.py:GuessNumber"
+
+
+@pytest.mark.slow  # two more launches a case
+@pytest.mark.parametrize("advantage", ["gae", "gigpo"])
+def test_two_processes_run_episodes_like_one_with_the_doubled_batch(tmp_path, advantage):
+    """Episodes of an environment (termination `turn`): each process runs its rows' episodes, whose turn tensors may
+    differ in width between processes; the estimators gather them padded (GiGPO's anchor-state groups over all
+    rows), so 2 processes with 2 prompts each train like 1 with 4."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(one, 1, 4, advantage, "ddp", "--env", GUESS_ENV)
+    _run(two, 2, 2, advantage, "ddp", "--env", GUESS_ENV)
+    _assert_same_final_policy(one, two)
+    metrics_one, metrics_two = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in metrics_two] == [1, 2]
+    for m_one, m_two in zip(metrics_one, metrics_two):
+        assert m_two["env/episodes"] * 2 == m_one["env/episodes"] or m_two["env/episodes"] == m_one["env/episodes"]
+        for name in ("objective/rm_score", "objective/kl", "val/advantage_l2"):
+            assert m_two[name] == pytest.approx(m_one[name], rel=1e-4, abs=1e-5), name
