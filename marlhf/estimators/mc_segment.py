@@ -5,8 +5,10 @@ At each kept boundary (a segment's first token, from any termination rule, at mo
 marlhf.segments.keep_boundaries), `mc_samples` continuations of the prefix (prompt + the response tokens before
 the boundary) are sampled by the run's rollout engine, for all rows and boundaries in one call
 (`AdvantageBatch.continue_and_score`, which the trainer supplies), and V(boundary) is the mean of their final
-scores. The values estimate the score only: the KL penalty enters each macro action's advantage as the sum of its
-tokens' KL rewards (marlhf.advantages.mc_segment_advantages).
+scores. On episodes of an environment (`--env`, termination `turn`: boundaries at turn starts) a continuation
+restores the environment and plays the rest of the episode, and its score is the return to go from the boundary's
+turn (marlhf.trainers.continuations.EpisodeContinuations). The values estimate the score only: the KL penalty
+enters each macro action's advantage as the sum of its tokens' KL rewards (marlhf.advantages.mc_segment_advantages).
 
 A segment always starts at token 0, so by default the prompt's state is valued and the first macro action gets
 V(next boundary) - V(prompt). SPO-chain values only its cutpoints: the tokens before the first cutpoint get no
@@ -23,7 +25,7 @@ import torch
 from marlhf.advantages import mc_segment_advantages
 from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, ContinueAndScore, register_estimator
-from marlhf.segments import keep_boundaries, num_segments, segment_first_token
+from marlhf.segments import keep_boundaries, num_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,10 @@ def mc_boundary_values(continue_and_score: ContinueAndScore, segment_ids: torch.
     """V at every segment's start: the mean score of `k` continuations of its prefix, all drawn in one call.
 
     segment_ids: long [B, T]; returns float [B, S] (S the most segments of a row; 0 past a row's last)."""
-    rows, starts = segment_first_token(segment_ids).nonzero(as_tuple=True)  # one per boundary, N in all
+    # one per boundary, N in all: a segment's first token (on a multi-turn row a kept segment may span observation
+    # tokens, -1, and resume after them: not a boundary; segment ids increase along a row)
+    seen = torch.cat([segment_ids.new_full((segment_ids.shape[0], 1), -1), segment_ids[:, :-1].cummax(1).values], 1)
+    rows, starts = (segment_ids > seen).nonzero(as_tuple=True)
     if rows.numel() == 0:  # nothing to value (no row has a segment): no engine call
         return torch.zeros(segment_ids.shape[0], 0)
     scores = continue_and_score(rows, starts, k)  # [N, k]
