@@ -25,7 +25,7 @@ import torch
 from marlhf.advantages import mc_segment_advantages
 from marlhf.config import option
 from marlhf.estimators.base import AdvantageBatch, ContinueAndScore, register_estimator
-from marlhf.segments import keep_boundaries, num_segments
+from marlhf.segments import keep_boundaries, num_segments, segment_first_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,7 @@ def mc_boundary_values(continue_and_score: ContinueAndScore, segment_ids: torch.
     """V at every segment's start: the mean score of `k` continuations of its prefix, all drawn in one call.
 
     segment_ids: long [B, T]; returns float [B, S] (S the most segments of a row; 0 past a row's last)."""
-    # one per boundary, N in all: a segment's first token (on a multi-turn row a kept segment may span observation
-    # tokens, -1, and resume after them: not a boundary; segment ids increase along a row)
-    seen = torch.cat([segment_ids.new_full((segment_ids.shape[0], 1), -1), segment_ids[:, :-1].cummax(1).values], 1)
-    rows, starts = (segment_ids > seen).nonzero(as_tuple=True)
+    rows, starts = segment_first_token(segment_ids).nonzero(as_tuple=True)  # one per boundary, N in all
     if rows.numel() == 0:  # nothing to value (no row has a segment): no engine call
         return torch.zeros(segment_ids.shape[0], 0)
     scores = continue_and_score(rows, starts, k)  # [N, k]
