@@ -51,7 +51,8 @@ from marlhf.envs.base import Observation, check_observation
 from marlhf.errors import MarlhfError
 
 __all__ = ["MultiTurnOptions", "MultiTurnRollout", "ObservationEncoder", "Generate", "EngineSampler",
-           "rollout_episodes", "turn_seed", "EpisodeSpec", "run_episodes", "concat_rollouts"]
+           "rollout_episodes", "turn_seed", "EpisodeSpec", "run_episodes", "concat_rollouts", "EpisodePrefix",
+           "episode_prefixes", "continue_episodes"]
 
 EnvErrors = Literal["truncate", "raise"]
 # sampler(ids, mask, row_seeds, max_new_tokens) -> Generation with log-probs; one with `new_cache()` is also called
@@ -328,6 +329,12 @@ class _Runner:
                               f"which leaves no room in max_length {self.max_length}: shorten it or raise max_length")
         return episode
 
+    def resume(self, index: int, env: Any, seed: int, prefix: EpisodePrefix, states: list[str]) -> _Episode:
+        """An episode that goes on from `prefix` (its tokens kept as they are), `env` already in the prefix's state
+        and `states` the observations before its turns so far."""
+        return _Episode(index, env, int(seed), list(prefix.prompt), list(prefix.tokens), list(prefix.turn_of),
+                        [0.0] * len(prefix.tokens), list(prefix.turn_rewards), list(states))
+
     def check(self, episode: _Episode, observation: Any) -> None:
         problem = check_observation(observation)
         if problem is not None:
@@ -537,11 +544,86 @@ def rollout_episodes(envs: Sequence[Any], generate: Generate, tokenizer: Any, *,
     runner = _Runner(generate, tokenizer, options, max_length, env_name, device)
     episodes = [runner.start(index, env, seed, env_seed, None if tasks is None else tasks[index])
                 for index, (env, seed, env_seed) in enumerate(zip(envs, seeds, env_seeds))]
+    return _play(runner, episodes)
+
+
+def _play(runner: _Runner, episodes: list[_Episode]) -> MultiTurnRollout:
+    """The rounds: every live episode's next turn generated together, each environment stepped, to the end."""
     while live := [episode for episode in episodes if not episode.done]:
         for episode, action_text in zip(live, runner.act(live)):
             runner.step(episode, action_text)
         runner.advance()
     return runner.batch(episodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodePrefix:
+    """An episode up to the start of one of its turns, to continue (`continue_episodes`): its environment's reset
+    seed and task; its prompt and response tokens before the turn, kept exactly; each token's turn (-1 on
+    observations); the completed turns' action texts (what the environment was stepped with) and rewards."""
+
+    env_seed: int
+    task: Any
+    prompt: list[int]
+    tokens: list[int]
+    turn_of: list[int]
+    actions: list[str]
+    turn_rewards: list[float]
+
+
+def episode_prefixes(rollout: Any, rows: Sequence[int], starts: Sequence[int], tokenizer: Any,
+                     env_seeds: Sequence[int], tasks: Sequence[Any]) -> list[EpisodePrefix]:
+    """Episode `rows[n]` of `rollout` (a MultiTurnRollout, or an Experience of episodes: the same prompt_ids,
+    prompt_mask, response_ids, turn_ids and turn_rewards) up to response token `starts[n]`, which must start a turn
+    (the first action token of turn k: the prefix holds turns 0..k-1 and the observation after them); `env_seeds`,
+    `tasks`: each row's (those its episode was reset with)."""
+    prefixes = []
+    for row, start in zip(rows, starts):
+        turns = rollout.turn_ids[row].tolist()
+        if start >= len(turns) or turns[start] < 0 or (start > 0 and turns[start - 1] == turns[start]):
+            raise ValueError(f"episode {row}: response token {start} does not start a turn; multi-turn Monte-Carlo "
+                             "continuations start at turn starts only (termination 'turn')")
+        tokens = rollout.response_ids[row].tolist()
+        # the texts the environment was stepped with: each turn's action tokens decoded as the rollout decoded them
+        actions = [tokenizer.decode([t for t, k in zip(tokens, turns) if k == turn], skip_special_tokens=True)
+                   for turn in range(turns[start])]
+        prefixes.append(EpisodePrefix(int(env_seeds[row]), tasks[row],
+                                      rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist(), tokens[:start],
+                                      turns[:start], actions, rollout.turn_rewards[row, :turns[start]].tolist()))
+    return prefixes
+
+
+def _restored_envs(make: Callable[[], Any], prefix: EpisodePrefix, k: int) -> tuple[list[Any], list[str]]:
+    """`k` environments in the state at the prefix's end, and the observations before its turns (state keys): one
+    reset with the prefix's seed and task and stepped with its actions, the others its clones (`clone()`; replayed
+    again where the environment has none)."""
+    env = make()
+    observation, _ = env.reset(prefix.env_seed, prefix.task)
+    states = [state_key(observation)]
+    for action in prefix.actions:
+        states.append(state_key(env.step(action)[0]))
+    clone = getattr(env, "clone", None)
+    others = [clone() if callable(clone) else _restored_envs(make, prefix, 1)[0][0] for _ in range(k - 1)]
+    return [env, *others], states
+
+
+def continue_episodes(make: Callable[[], Any], generate: Generate, tokenizer: Any, prefixes: Sequence[EpisodePrefix],
+                      k: int, seeds: Sequence[int], *, options: MultiTurnOptions | None = None,
+                      max_length: int | None = None, env_name: str | None = None,
+                      device: torch.device | str = "cpu") -> MultiTurnRollout:
+    """`k` continuations of each prefix's episode to its end, all in the same rounds (`rollout_episodes`'s, with
+    its limits): row n * k + j, continuation j of prefix n, has an environment made by `make` and restored to the
+    prefix's state (`_restored_envs`), keeps the prefix's tokens and samples its turns from `seeds[n * k + j]`
+    (`turn_seed(seed, turn)` for turn k on). Its rows hold the whole episodes, prefix included; their
+    `turn_rewards` the prefix's turns' rewards, then the continuation's."""
+    if len(seeds) != len(prefixes) * k:
+        raise ValueError(f"continue_episodes: {len(prefixes)} prefixes x k={k} need as many seeds, got {len(seeds)}")
+    runner = _Runner(generate, tokenizer, options or MultiTurnOptions(), max_length, env_name, device)
+    episodes = []
+    for n, prefix in enumerate(prefixes):
+        envs, states = _restored_envs(make, prefix, k)
+        episodes += [runner.resume(n * k + j, env, seeds[n * k + j], prefix, states) for j, env in enumerate(envs)]
+    return _play(runner, episodes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,8 @@ class Experience:
         action_mask: bool [B, T], the tokens the policy sampled (`response_mask`: every real token, actions and
             observations, what the forwards attend to); turn_ids: long [B, T], each action token's turn, -1 elsewhere;
         turn_rewards: float [B, K], the environment's reward of each turn; turn_state_ids: long [B, K], the state
-            before each turn (-1 past an episode's turns); env_metrics: the rollout's env/* metrics ({} without)
+            before each turn (-1 past an episode's turns); env_metrics: the rollout's env/* metrics ({} without);
+        env_seeds: list[int] (host), each episode's reset seed (what Monte-Carlo continuations restore it with)
     Stage 3 (`per_token_rewards`): rewards float [B, T]; kl_coef float, the coefficient they used.
     Stage 4 (`macro_actions`): segment_ids long [B, T] (-1 on padding); segmentation_stats {name: number}.
     Stage 5 (`estimate_advantages`): advantages float [B, T]; returns float [B, T] or None (no critic);
@@ -97,6 +98,7 @@ class Experience:
     turn_rewards: torch.Tensor | None = None
     turn_state_ids: torch.Tensor | None = None
     env_metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env_seeds: list[int] = dataclasses.field(default_factory=list)
 
     # Per-row fields: tensors indexed by row, host lists picked by row; the rest belongs to the whole step.
     _PROMPT_COLUMNS = ("prompt_ids", "prompt_mask")
@@ -104,7 +106,7 @@ class Experience:
                          "attached_values", "rollout_logprobs", "entropy", "rewards", "segment_ids", "advantages",
                          "returns", "action_mask", "turn_ids")
     _ROWS = ("scores", "turn_rewards", "turn_state_ids")
-    _HOST_ROWS = ("prompt_rows", "prompt_lengths", "response_lengths")
+    _HOST_ROWS = ("prompt_rows", "prompt_lengths", "response_lengths", "env_seeds")
 
     def select(self, rows: list[int]) -> Experience:
         """These rows, in this order (every per-row field)."""

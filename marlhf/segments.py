@@ -13,8 +13,8 @@ The segment reductions (``segment_sum``, ``segment_mean``, ``segment_values`` un
 ``masked_mean``) serve both the advantages and the losses.
 
 Multi-turn rows (docs/algorithm.md#multi-turn): the core functions take the *action* mask, which has gaps (False on
-the observation tokens between a row's turns), and ``segment_ids`` -1 there; a segment never spans a gap. The
-reductions, ``segment_first_token``/``segment_last_token`` and ``value_weights`` need nothing more: a segment is a
+the observation tokens between a row's turns), and ``segment_ids`` -1 there; a segment never spans a gap (but for
+``keep_boundaries``' merged segments, whose first token ``segment_first_token`` marks once). The reductions, ``segment_first_token``/``segment_last_token`` and ``value_weights`` need nothing more: a segment is a
 run of consecutive positions either way. ``split_by_turns`` cuts any rule's segments at the turns (``turn_ids``);
 ``pack_actions``/``unpack_actions`` move a row's action tokens to its left, where a computation over "the next
 token" becomes one over the next action token.
@@ -383,9 +383,11 @@ def broadcast_segments(x_seg: torch.Tensor, segment_ids: torch.Tensor) -> torch.
 
 
 def segment_first_token(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [B, T], True on the first token of every segment."""
-    preceding = torch.cat([segment_ids.new_full((segment_ids.shape[0], 1), -1), segment_ids[:, :-1]], dim=1)
-    return (segment_ids >= 0) & (preceding != segment_ids)
+    """Bool [B, T], True on the first token of every segment. Segment ids increase along a row; a segment that
+    resumes after -1 positions (observation tokens inside a kept multi-turn segment) starts once, where it first
+    appears."""
+    seen = torch.cat([segment_ids.new_full((segment_ids.shape[0], 1), -1), segment_ids[:, :-1].cummax(1).values], 1)
+    return segment_ids > seen
 
 
 def segment_last_token(segment_ids: torch.Tensor) -> torch.Tensor:

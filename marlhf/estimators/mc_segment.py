@@ -5,8 +5,10 @@ At each kept boundary (a segment's first token, from any termination rule, at mo
 marlhf.segments.keep_boundaries), `mc_samples` continuations of the prefix (prompt + the response tokens before
 the boundary) are sampled by the run's rollout engine, for all rows and boundaries in one call
 (`AdvantageBatch.continue_and_score`, which the trainer supplies), and V(boundary) is the mean of their final
-scores. The values estimate the score only: the KL penalty enters each macro action's advantage as the sum of its
-tokens' KL rewards (marlhf.advantages.mc_segment_advantages).
+scores. On episodes of an environment (`--env`, termination `turn`: boundaries at turn starts) a continuation
+restores the environment and plays the rest of the episode, and its score is the return to go from the boundary's
+turn (marlhf.trainers.continuations.EpisodeContinuations). The values estimate the score only: the KL penalty
+enters each macro action's advantage as the sum of its tokens' KL rewards (marlhf.advantages.mc_segment_advantages).
 
 A segment always starts at token 0, so by default the prompt's state is valued and the first macro action gets
 V(next boundary) - V(prompt). SPO-chain values only its cutpoints: the tokens before the first cutpoint get no

@@ -6,20 +6,28 @@ rollout engine (marlhf.engines, any engine: only `generate` is called) until EOS
 (prefix + continuation <= max_response_length tokens, the main rollout's budget), and the full response
 (prefix + continuation) is scored as the run scores its responses. Layout as in marlhf.rollout: prompts
 left-padded `[B, P]`, responses right-padded `[B, T]`.
+
+For episodes of an environment (`--env`), a prefix ends at a turn start and a continuation is the rest of the
+episode (`EpisodeContinuations`): its environment restored, the turn and the later ones played by the policy, its
+score the sum of the (clipped) turn rewards from the boundary's turn on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from marlhf.engines.base import Generation, model_positions
+from marlhf.envs import make_env
+from marlhf.multiturn import EngineSampler, EpisodePrefix, MultiTurnRollout, continue_episodes, episode_prefixes
 from marlhf.rollout import Experience, response_scores
 from marlhf.trainers.ppo_setup import PPORun, mixed_seed
 
-__all__ = ["PrefixContinuations", "prefixed_prompts", "join_continuations", "run_continuations"]
+__all__ = ["PrefixContinuations", "EpisodeContinuations", "prefixed_prompts", "join_continuations",
+           "run_continuations"]
 
 
 def prefixed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -138,12 +146,75 @@ class PrefixContinuations:
         return [sorted(group) for group in groups]
 
 
-def run_continuations(run: PPORun, experience: Experience) -> PrefixContinuations:
-    """A PPO step's `continue_and_score` over its rows: sampled by the run's engine with the rollout's settings,
-    continuation j of the prefix of length t of row r (among all processes' rows) seeded by (seed, step, r, t + 1,
-    j), which no rollout seed (seed, step, r) equals; scored as the rollout is, clipped."""
-    config, accelerator, step = run.config, run.accelerator, experience.step
-    first_row = accelerator.process_index * config.rollout_size
+@dataclasses.dataclass
+class EpisodeContinuations:
+    """`continue_and_score(rows, prefix_lengths, k) -> scores [N, k]` over one step's episodes (`experience`, with
+    `turn_ids`): episode r's prefix of t response tokens must end where a turn k starts; its k continuations
+    (`play(prefixes, k, seeds)`: marlhf.multiturn.continue_episodes) restore its environment, keep those tokens
+    and play the rest of the episode, continuation j from the seed `seed(r, t, j)`. A continuation's score is its
+    return to go, sum_{j >= k} clip(R_j): the rewards of turns before k are already on their last action tokens
+    (the per-token rewards), so with these values mc_segment's V(next) - V(start) + the segment's rewards is the
+    turn's advantage. Counts the `play` engine calls and the action tokens they sample (`calls`, `tokens`)."""
+
+    experience: Experience
+    tokenizer: Any
+    tasks: list[Any]
+    play: Callable[[list[EpisodePrefix], int, list[int]], MultiTurnRollout]
+    seed: Callable[[int, int, int], int]
+    clip: Callable[[torch.Tensor], torch.Tensor]
+    calls: int = 0
+    tokens: int = 0
+
+    def __call__(self, rows: torch.Tensor, prefix_lengths: torch.Tensor, k: int) -> torch.Tensor:
+        if k < 1:
+            raise ValueError(f"`k` must be >= 1, got {k}")
+        host_rows, host_lengths = torch.stack([rows, prefix_lengths]).tolist() if rows.numel() else ([], [])
+        if not host_rows:
+            return self.experience.turn_rewards.new_zeros((0, k))
+        prefixes = episode_prefixes(self.experience, host_rows, host_lengths, self.tokenizer,
+                                    self.experience.env_seeds, self.tasks)
+        rollout = self.play(prefixes, k, [self.seed(row, length, j) for row, length in zip(host_rows, host_lengths)
+                                          for j in range(k)])
+        device = rollout.turn_rewards.device
+        first_turns = torch.tensor([len(prefix.turn_rewards) for prefix in prefixes], device=device)
+        later = torch.arange(rollout.turn_rewards.shape[1], device=device)[None, :] >= \
+            first_turns.repeat_interleave(k)[:, None]  # the boundary's turn and the later ones
+        scores = torch.where(later, self.clip(rollout.turn_rewards), 0.0).sum(1)
+        self.calls += int(rollout.metrics["env/generate_calls"])
+        self.tokens += int(rollout.action_mask.sum()) - k * sum(sum(t >= 0 for t in p.turn_of) for p in prefixes)
+        return scores.view(-1, k).to(self.experience.turn_rewards.device)
+
+
+def _continuation_seed(run: PPORun, step: int) -> Callable[[int, int, int], int]:
+    """Continuation j of the prefix of length t of row r (among all processes' rows) is seeded by (seed, step, r,
+    t + 1, j), which no rollout seed (seed, step, r) equals."""
+    first_row = run.accelerator.process_index * run.config.rollout_size
+    return lambda row, length, sample: mixed_seed(run.config.seed, step, first_row + row, length + 1, sample)
+
+
+def episode_continuations(run: PPORun, experience: Experience) -> EpisodeContinuations:
+    """A PPO step's `continue_and_score` over its episodes: played on the run's engine as its episodes are
+    (`run.episodes`: environment, limits, sampling settings), seeded as `_continuation_seed` says."""
+    spec, accelerator = run.episodes, run.accelerator
+
+    def play(prefixes: list[EpisodePrefix], k: int, seeds: list[int]) -> MultiTurnRollout:
+        run.train(False)  # the rollout's mode: dropout off, KV cache on
+        with accelerator.autocast(), torch.no_grad():
+            return continue_episodes(lambda: make_env(spec.env, spec.env_options),
+                                     EngineSampler(run.engine, **spec.sampling), spec.tokenizer, prefixes, k, seeds,
+                                     options=spec.options, max_length=spec.max_length, env_name=spec.env,
+                                     device=accelerator.device)
+
+    return EpisodeContinuations(experience, run.tokenizer, [run.prompt_records[i] for i in experience.prompt_rows],
+                                play, _continuation_seed(run, experience.step), run.clipped)
+
+
+def run_continuations(run: PPORun, experience: Experience) -> PrefixContinuations | EpisodeContinuations:
+    """A PPO step's `continue_and_score` over its rows (`episode_continuations` for episodes): sampled by the run's
+    engine with the rollout's settings, seeded by `_continuation_seed`; scored as the rollout is, clipped."""
+    if experience.turn_ids is not None:
+        return episode_continuations(run, experience)
+    config, accelerator = run.config, run.accelerator
 
     def generate(ids: torch.Tensor, mask: torch.Tensor, seeds: list[int], max_new_tokens: int):
         run.train(False)  # the rollout's mode: dropout off, KV cache on
@@ -166,6 +237,5 @@ def run_continuations(run: PPORun, experience: Experience) -> PrefixContinuation
     positions = model_positions(accelerator.unwrap_model(run.policy))
     context_length = config.max_length if positions is None else min(config.max_length, positions)
     return PrefixContinuations(experience.prompt_ids, experience.prompt_mask, experience.response_ids, generate, score,
-                               lambda row, length, sample: mixed_seed(config.seed, step, first_row + row, length + 1,
-                                                                      sample),
-                               config.max_response_length, run.tokenizer.pad_token_id, context_length)
+                               _continuation_seed(run, experience.step), config.max_response_length,
+                               run.tokenizer.pad_token_id, context_length)

@@ -50,4 +50,5 @@ def sample_and_score_episodes(run: PPORun, step: int, rows: list[int], request: 
     return dataclasses.replace(scored, step=step, prompt_rows=rows, action_mask=rollout.action_mask,
                                rollout_logprobs=rollout.logprobs if kept else None,
                                turn_ids=rollout.turn_ids, turn_rewards=rollout.turn_rewards,
-                               turn_state_ids=rollout.turn_state_ids, env_metrics=dict(rollout.metrics))
+                               turn_state_ids=rollout.turn_state_ids, env_metrics=dict(rollout.metrics),
+                               env_seeds=list(request.env_seeds))

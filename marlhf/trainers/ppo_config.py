@@ -446,7 +446,9 @@ class PPOConfig(TrainingConfig):
                 raise ValueError("env_options needs env (the environment they configure)")
             return
         refused = [name for name, used in (("reward_fns", self.reward_fns), ("reward='code'", self.reward == "code"),
-                                           (f"advantage={self.advantage!r}", self.advantage == "mc_segment"),
+                                           (f"advantage='mc_segment' with termination={self.termination!r} (its "
+                                            "continuations start at turn starts only)",
+                                            self.advantage == "mc_segment" and self.termination != "turn"),
                                            ("old_logprobs_from='sampling'", self.keeps_sampling_logprobs))
                    if used]
         if refused:

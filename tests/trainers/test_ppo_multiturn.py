@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ COMBINATIONS = {
     "token_ppo": ["--termination", "fixed", "--ngram", "1", "--advantage", "gae"],
     "grpo": ["--advantage", "grpo", "--termination", "turn"],
     "gigpo": ["--advantage", "gigpo", "--termination", "turn"],
+    "mc_segment": ["--advantage", "mc_segment", "--termination", "turn", "--mc_samples", "2"],
 }
 
 
@@ -50,6 +52,7 @@ def test_the_example_environment_trains_two_steps(tmp_path, tiny_model_dir, comb
     assert all(m["env/episodes"] == 4 and m["env/observation_tokens"] > 0 for m in metrics)
     assert metrics[0]["objective/kl"] == 0 != metrics[1]["objective/kl"]  # step 1's update moved the policy
     assert (output_dir / "model.safetensors").exists()
+    assert all((m.get("rollout/mc_tokens", 0) > 0) == (combination == "mc_segment") for m in metrics)
 
 
 def test_observation_tokens_carry_no_advantage_and_no_loss(tmp_path, tiny_model_dir, monkeypatch):
@@ -116,10 +119,12 @@ def _without_timings(output_dir) -> list[dict[str, float]]:
 
 @pytest.mark.parametrize(("options", "refused"), [
     ({"reward_fns": ("tests.rewards.test_functions:count_e",)}, "reward_fns"),
-    ({"advantage": "mc_segment"}, "advantage='mc_segment'"), ({"old_logprobs_from": "sampling", "ppo_epochs": 2},
-                                                              "old_logprobs_from='sampling'")])
+    ({"advantage": "mc_segment", "termination": "fixed"},
+     "advantage='mc_segment' with termination='fixed' (its continuations start at turn starts only)"),
+    ({"old_logprobs_from": "sampling", "ppo_epochs": 2}, "old_logprobs_from='sampling'")])
 def test_what_env_does_not_run_yet_is_refused_in_one_line(options, refused):
-    with pytest.raises(ValueError, match=rf"^env='{GUESS_ENV}' with {refused}: not yet \(multi-turn training runs"):
+    with pytest.raises(ValueError, match=rf"^env='{GUESS_ENV}' with {re.escape(refused)}: not yet \(multi-turn "
+                                         "training runs"):
         PPOConfig(env=GUESS_ENV, **options)
     with pytest.raises(ValueError, match="^env_options needs env"):
         PPOConfig(env_options={"turns": 2})
