@@ -373,7 +373,7 @@ def test_adaptive_kl_moves_the_coefficient_towards_the_target(tmp_path, make_tin
 @pytest.mark.parametrize("lora, noise, extra", [  # each kills a child process: full by default, the rest slow
     (False, "row_generators", {}), pytest.param(True, "row_generators", {}, marks=pytest.mark.slow),
     pytest.param(False, "counter_hash", {}, marks=pytest.mark.slow),
-    pytest.param(False, "row_generators", dict(kl_target=1e-3, kl_horizon=4, critic_warmup_steps=2, lam_critic=1.0),
+    pytest.param(False, "row_generators", dict(kl_target=1e-3, kl_horizon=4, critic_warmup_steps=1, lam_critic=1.0),
                  marks=pytest.mark.slow)],
     ids=["full", "lora", "counter_hash", "adaptive_kl_warmup"])
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_model_dir, make_tiny_causal_lm, lora, noise,
