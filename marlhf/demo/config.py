@@ -15,6 +15,10 @@ BaselineMethod = Literal["rloo", "grpo", "reinforce", "dpo"]
 GROUP_METHODS = {"rloo", "grpo"}  # baselines over groups of responses to one prompt
 SAMPLES_PER_PROMPT = 4  # group size of rloo and grpo
 MAX_PROMPT_TOKENS = 48  # prompts are 8 words + separator: about 25 tokens
+# what only one task reads (the relay task has its own gold, demonstrations and four methods)
+SINGLE_TURN_ONLY = ("num_words", "gold", "decision_rate", "clue_words", "reward", "gold_reward_scale",
+                    "preference_records", "dpo_learning_rate", "value_weighting", "segment_weighting", "critic_init")
+RELAY_ONLY = ("relay_rate",)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,6 +97,10 @@ class DemoConfig(ConfigBase):
             raise ValueError(f"terminations repeat a method (ppo and ma_ppo always run): {self.terminations}")
         if self.task == "relay" and (self.terminations or self.methods):
             raise ValueError("task relay compares its own four methods; terminations and methods are single_turn's")
+        unread = [name for name in (RELAY_ONLY if self.task == "single_turn" else SINGLE_TURN_ONLY)
+                  if getattr(self, name) != DemoConfig.__dataclass_fields__[name].default]
+        if unread:  # no option is set and then silently ignored
+            raise ValueError(f"task {self.task} does not read {', '.join(unread)} (options of the other task)")
         if len(set(self.methods)) != len(self.methods):  # the names themselves are checked against the Literal
             raise ValueError(f"methods repeat a name: {self.methods}")
         if set(self.methods) & GROUP_METHODS and self.ppo_batch_size % SAMPLES_PER_PROMPT:
@@ -104,6 +112,8 @@ class DemoConfig(ConfigBase):
         """A shortened run (under a minute on 2 cores) for tests and a first look."""
         values = dict(seeds=(0,), pretrain_texts=2048, sft_records=512, preference_records=1024, ppo_steps=12,
                       ppo_batch_size=16, ppo_learning_rate=1e-3, eval_prompts=16, curve_smoothing=2, smoke_test=True)
+        if overrides.get("task") == "relay":
+            del values["preference_records"]  # relay has no reward model
         return cls(**{**values, **overrides})
 
 

@@ -77,3 +77,11 @@ def test_demonstrations_follow_the_rollout_encoding_and_their_right_rate():
 def test_relay_refuses_single_turn_options():
     with pytest.raises(ValueError, match="relay compares its own four methods"):
         DemoConfig(task="relay", methods=("rloo",))
+
+
+def test_options_of_the_other_task_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="task relay does not read gold, critic_init"):
+        DemoConfig(task="relay", gold="decision", critic_init="sft").validate()
+    with pytest.raises(ValueError, match="task single_turn does not read relay_rate"):
+        DemoConfig(relay_rate=0.5).validate()
+    DemoConfig.quick(task="relay").validate()
