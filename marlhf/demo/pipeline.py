@@ -27,7 +27,7 @@ from marlhf.demo.config import GROUP_METHODS, MAX_PROMPT_TOKENS, SAMPLES_PER_PRO
 from marlhf.demo.pretrain import pretrained_base
 from marlhf.demo.relay import run_relay_demo
 from marlhf.demo.report import (GOLD_FILE, SMOKE_TEST_NOTE, comparison_sentences, load_method_runs, plot_curves, results_table,
-                                 stage_timer, summarize, write_jsonl, write_report)
+                                 start_run, summarize, write_jsonl, write_report)
 from marlhf.demo.task import SyntheticTask, TaskConfig
 from marlhf.evaluation.evaluate import reward_model_scores, sampled_batches
 from marlhf.modeling import ScalarHeadModel, load_causal_lm, load_tokenizer
@@ -236,11 +236,7 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
 
 def _run_demo(config: DemoConfig) -> dict:
     start = time.perf_counter()
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_yaml(out / "demo_config.yaml")
-    stage_seconds: dict[str, float] = {}
-    stage_done = stage_timer(stage_seconds)
+    out, stage_seconds, stage_done = start_run(config)
 
     # ---- data, tokenizer, base model, SFT and reward model (the repository's trainers) ---------------
     models = build_models(config, out / "models", stage_done)

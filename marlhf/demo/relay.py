@@ -24,7 +24,7 @@ from marlhf.demo.config import MAX_PROMPT_TOKENS, SAMPLES_PER_PROMPT, DemoConfig
 from marlhf.demo.env import RelayEnv, RelayOptions, relay_demonstrations
 from marlhf.demo.pretrain import pretrained_base
 from marlhf.demo.report import (GOLD_FILE, SMOKE_TEST_NOTE, comparison_sentences, describe_method, load_method_runs,
-                                plot_curves, results_table, seed_sentences, stage_timer, summarize, write_jsonl)
+                                plot_curves, results_table, seed_sentences, start_run, summarize, write_jsonl)
 from marlhf.engines import HFEngine, model_positions
 from marlhf.logging_utils import read_metrics
 from marlhf.multiturn import EngineSampler, MultiTurnOptions, rollout_episodes
@@ -138,11 +138,7 @@ def run_relay_method(config: DemoConfig, sft_dir: Path, tokenizer, sft, options:
 def run_relay_demo(config: DemoConfig) -> dict:
     """`marlhf demo --task relay` into `config.out`; returns the summary (also written to summary.json)."""
     start = time.perf_counter()
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_yaml(out / "demo_config.yaml")
-    stage_seconds: dict[str, float] = {}
-    stage_done = stage_timer(stage_seconds)
+    out, stage_seconds, stage_done = start_run(config)
     tokenizer, sft, sft_records = build_relay_models(config, out / "models", stage_done)
     clock = time.perf_counter()
     task = RelayEnv(relay_options(config)).task

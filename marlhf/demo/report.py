@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from marlhf.demo.config import SAMPLES_PER_PROMPT, BaselineMethod
+from marlhf.demo.config import SAMPLES_PER_PROMPT, BaselineMethod, DemoConfig
 from marlhf.demo.task import SyntheticTask
 from marlhf.evaluation.plots import RunMetrics, group_curves, pyplot
 from marlhf.evaluation.stats import paired_t
@@ -48,15 +48,21 @@ def describe_method(method: str, value_weighting: str) -> str:
             "dpo": "DPO (no rollouts)", "gigpo": "GiGPO (no critic)"}.get(method, method)
 
 
-def stage_timer(stage_seconds: dict[str, float]) -> Callable[[str, float], float]:
-    """`stage_done(name, since) -> now`: records a stage's seconds in `stage_seconds` (the summary's) and prints a
-    line of progress."""
+def start_run(config: DemoConfig) -> tuple[Path, dict[str, float], Callable[[str, float], float]]:
+    """A demo run's start: its output directory `config.out` made, the config saved there (demo_config.yaml), and
+    `(out, stage_seconds, stage_done)`: `stage_done(name, since) -> now` records a stage's seconds in
+    `stage_seconds` (the summary's) and prints a line of progress."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_yaml(out / "demo_config.yaml")
+    stage_seconds: dict[str, float] = {}
+
     def stage_done(name: str, since: float) -> float:
         stage_seconds[name] = round(time.perf_counter() - since, 1)
         tqdm.write(f"[demo] {name} done in {stage_seconds[name]:.0f} s")
         return time.perf_counter()
 
-    return stage_done
+    return out, stage_seconds, stage_done
 
 
 def _read_jsonl(path: Path) -> list[dict]:
