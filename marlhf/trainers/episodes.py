@@ -22,8 +22,9 @@ __all__ = ["sample_and_score_episodes"]
 
 def sample_and_score_episodes(run: PPORun, step: int, rows: list[int], request: RolloutRequest,
                               clock: dict[str, float]) -> Experience:
-    """The step's episodes, one per row: environment b reset with the row's seed (`request.row_seeds`, so a resumed
-    run samples what the uninterrupted one did) and the row's dataset record as its task, run with the policy of
+    """The step's episodes, one per row: environment b reset with its group's seed (`request.env_seeds`) and the
+    row's dataset record as its task, its turns sampled from the row's seed (`request.row_seeds`, so a resumed run
+    samples what the uninterrupted one did), run with the policy of
     this step (eval mode, no gradients) or, from the rollout workers, of version max(start, step - max_staleness);
     then the forwards of `score` (policy and reference log-probs, critic values) over each transcript, and the
     engine's log-probs kept beside the trainer's when something compares them. Stamps clock["generation"] when
