@@ -72,7 +72,10 @@ MARGINS = {"task1_long": 0.03, "task3": 0.03, "task4": 0.015}  # equivalence mar
 ALPHA = 0.05
 DESIGN_COMMIT = "c8158f4"
 AMENDMENT_COMMIT = "a9fe393"  # amendment 1: the budget below, and cut 1 (no equal-steps secondary)
+AMENDMENT_2_COMMIT = "0f4d00d"  # amendment 2: one set of models per build, kept; TOK on build 1 run again
 BUDGET_HOURS = 28.0  # amendment 1 (the design's 12 h), tuning included, by `wall_time`'s clock
+SUPERSEDED = "superseded"  # amendment 2: TOK's first build-1 runs, on models no longer kept
+SIDE = "side"  # benchmarks/credit_segments_side.py's files
 
 TOKEN = {"termination": "fixed", "ngram": 1}
 FIXED5 = {"termination": "fixed", "ngram": 5}
@@ -492,18 +495,55 @@ def clue_shares(design: Design, results: dict) -> dict:
     return out
 
 
-def wall_time(results: dict, workers: int = 2) -> dict:
+def wall_time(results: dict, superseded: dict | None = None, workers: int = 2) -> dict:
     """The budget's clock. The study runs in sittings (sessions of a few hours), so the span from the first result
     file to the last includes the time between sittings; the budget counts the runs' own time at two at a time
-    (the sum of each run's finished - started, over 2), and both are reported."""
-    runs = [r for r in results.values() if "finished" in r]
+    (the sum of each run's finished - started, over 2), and both are reported. `superseded` runs (amendment 2) are
+    charged and their share is reported."""
+    superseded = superseded or {}
+    runs = [r for r in [*results.values(), *superseded.values()] if "finished" in r]
     if not runs:
-        return {"hours": 0.0, "span_hours": 0.0}
+        return {"hours": 0.0, "span_hours": 0.0, "superseded_hours": 0.0}
+
+    def hours(rs) -> float:
+        return sum((datetime.fromisoformat(r["finished"]) - datetime.fromisoformat(r["started"])).total_seconds()
+                   for r in rs if "finished" in r) / workers / 3600
     times = sorted(datetime.fromisoformat(r["finished"]) for r in runs)
-    busy = sum((datetime.fromisoformat(r["finished"]) - datetime.fromisoformat(r["started"])).total_seconds()
-               for r in runs)
-    return {"first": times[0].isoformat(), "last": times[-1].isoformat(), "hours": busy / workers / 3600,
-            "span_hours": (times[-1] - times[0]).total_seconds() / 3600}
+    return {"first": times[0].isoformat(), "last": times[-1].isoformat(), "hours": hours(runs),
+            "superseded_hours": hours(superseded.values()), "span_hours": (times[-1] - times[0]).total_seconds() / 3600}
+
+
+def side_measurements(side_dir: Path, results: dict) -> dict:
+    """The side measurement's files (benchmarks/credit_segments_side.py: one step from the SFT policy on the study's
+    own models), per task and build: MC-LP's kept boundaries against MC5's (token 0, which both keep, left out) and
+    each arm's forward tokens of the step (every model: policy, reference, critic, reward model; Monte-Carlo prefix
+    re-encoding included) per token the policy sampled and per token of the budget. A build measured on other models
+    than the study's runs used is an error."""
+    models = {(r["task"], r["build"]): (r["sft_sha256"], r["reward_sha256"]) for k, r in results.items()
+              if k[0] == "confirmation" and "sft_sha256" in r}
+    out = {"files": {}, "boundaries": {}, "forward": {}}
+    for path in sorted(side_dir.glob("*.json")):
+        side = json.loads(path.read_text())
+        out["files"][path.name] = {"commit": side["commit"][:7], "clean": side["clean"], "builds": list(side["builds"])}
+        for name, build in side["builds"].items():
+            task, number = name.split("/build")
+            hashes = (build["sft_sha256"], build["reward_sha256"])
+            if models.get((task, int(number)), hashes) != hashes:
+                raise SystemExit(f"{path}: {name} was measured on other models than the study's runs of that build")
+            if name in out["boundaries"]:
+                raise SystemExit(f"{path}: {name} is measured in two side files")
+            setup = build["setups"]["gold_sft"]
+            bounds = setup["boundaries"]
+            out["boundaries"][name] = {"responses": bounds["responses"],
+                                       "low_prob_segments": bounds["low_prob_segments_before_keeping"]["mean"],
+                                       **{k: bounds["overlap_without_token0"][k]
+                                          for k in ("share_identical", "mean_distance")}}
+            for arm, cost in setup["cost"].items():
+                out["forward"].setdefault(arm, {})[name] = {
+                    "per_sampled_token": cost["forward_tokens_per_rollout_token"],
+                    "per_budget_token": cost["forward_tokens_per_budget_token"],
+                    "prefix_reencoding_share": cost["parts"]["mc_prefix_reencoding"]["tokens"] / cost["forward"]["tokens"]}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -521,42 +561,75 @@ def load_results(results: Path) -> dict[tuple, dict]:
     return out
 
 
+def load_superseded(results: Path) -> dict[tuple, dict]:
+    """Amendment 2's files, moved unchanged to RESULTS/superseded/: listed and charged to the budget, never used."""
+    return study_two.load_results(results / SUPERSEDED)
+
+
 def summarize(design: Design, results_dir: Path) -> dict:
     results = load_results(results_dir)
+    superseded = load_superseded(results_dir)
     choices = choices_so_far(design, results)
     table = compare(design, results) if len(choices["settings"]) == len(TUNED) else {}
     summary = {"choices": choices, "comparison": table, "costs": costs(design, results),
                "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
-               "collapsed": collapsed(results), "wall_time": wall_time(results), "runs": len(results)}
+               "collapsed": collapsed(results), "side": side_measurements(results_dir / SIDE, results),
+               "superseded": sorted("/".join(map(str, k)) for k in superseded),
+               "wall_time": wall_time(results, superseded), "runs": len(results)}
     f = study_two._f
+    clock = summary["wall_time"]
     lines = ["# Study III: segments against a tuned token-level PPO at an equal token budget", "",
              "Generated by `python benchmarks/credit_segments.py --summarize` from the result files; do not edit. "
-             f"Design: README.md (design commit {DESIGN_COMMIT}; amendment 1, commit {AMENDMENT_COMMIT}).", "",
-             f"Result files: {len(results)}. Run time at two runs at a time: {summary['wall_time']['hours']:.1f} h "
-             f"(budget {BUDGET_HOURS:g} h{'; overrun' if summary['wall_time']['hours'] > BUDGET_HOURS else ''}); "
-             f"from the first result file to the last, sittings and the time between them: "
-             f"{summary['wall_time']['span_hours']:.1f} h.",
+             f"Design: README.md (design commit {DESIGN_COMMIT}; amendment 1, commit {AMENDMENT_COMMIT}; "
+             f"amendment 2, commit {AMENDMENT_2_COMMIT}).", "",
+             f"Result files: {len(results)}, and {len(superseded)} superseded (amendment 2: charged, not used). "
+             f"Run time at two runs at a time: {clock['hours']:.2f} h, superseded runs' {clock['superseded_hours']:.2f} h "
+             f"included (budget {BUDGET_HOURS:g} h{'; overrun' if clock['hours'] > BUDGET_HOURS else ''}); "
+             f"from the first result file to the last, sittings and the time between them: {clock['span_hours']:.1f} h.",
              "Commits: " + ", ".join(sorted({f"{r['commit'][:7]} ({'clean' if r['clean'] else 'dirty'})"
-                                              for r in results.values()})), "",
+                                              for r in [*results.values(), *superseded.values()]})), "",
              "## Tuning (build 0, gold_sft)", "", f"Chosen: {choices['settings']}; scores {choices['scores']}", ""]
+    lines += comparison_lines(table) + cost_lines(summary, design) + side_lines(summary["side"])
+    lines += ["## Superseded runs (amendment 2)", ""]
+    lines += [f"- {run}" for run in summary["superseded"]] or ["- none"]
+    (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    (results_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     if table:
-        lines += ["## Primary: held-out gold at TOK's budget of generated tokens", "",
-                  "Arm - TOK paired by (build, seed): mean [95 % t], p (Holm over the 6 groups), TOST interval "
-                  f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondary: matched KL (amendment 1 cut the "
-                  "equal-steps secondary).", "",
-                  "| arm | group | pairs | arm | TOK | arm - TOK | by build | p (Holm) | TOST interval | finding "
-                  "| matched KL | budget step |", "|---" * 12 + "|"]
-        for arm, entries in table.items():
-            for group, e in entries.items():
-                t = e["vs_tok"]
-                lines.append(f"| {arm} | {group} | {e['n']} | {f(e['gold'])} | {f(e['tok_gold'])} | {study_two._ci(t)} "
-                             f"| {', '.join(f(v) for v in e['by_build'].values())} | {f(t['p'])} ({f(t['p_holm'])}) "
-                             f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
-                             f"| {study_two._ci(e['matched_kl'])} "
-                             f"| {f(e['budget_step'], 1)} |")
-        lines.append("")
-    lines += ["## Cost", "", "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s |",
-              "|---|---|---|---|---|---|---|"]
+        plot(table, results_dir)
+    return summary
+
+
+def comparison_lines(table: dict) -> list[str]:
+    """The primary endpoint's table, every cell (empty until tuning is complete)."""
+    if not table:
+        return []
+    f = study_two._f
+    lines = ["## Primary: held-out gold at TOK's budget of generated tokens", "",
+             "Arm - TOK paired by (build, seed): mean [95 % t], p (Holm over the 6 groups), TOST interval "
+             f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondary: matched KL (amendment 1 cut the "
+             "equal-steps secondary).", "",
+             "| arm | group | pairs | arm | TOK | arm - TOK | by build | p (Holm) | TOST interval | finding "
+             "| matched KL | budget step |", "|---" * 12 + "|"]
+    for arm, entries in table.items():
+        for group, e in entries.items():
+            t = e["vs_tok"]
+            lines.append(f"| {arm} | {group} | {e['n']} | {f(e['gold'])} | {f(e['tok_gold'])} | {study_two._ci(t)} "
+                         f"| {', '.join(f(v) for v in e['by_build'].values())} | {f(t['p'])} ({f(t['p_holm'])}) "
+                         f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
+                         f"| {study_two._ci(e['matched_kl'])} | {f(e['budget_step'], 1)} |")
+    return lines + [""]
+
+
+def _spread_text(x: dict | None, scale: float = 1.0, digits: int = 3) -> str:
+    f = study_two._f
+    return "-" if x is None else f"{f(x['mean'] * scale, digits)} ({f(x['min'] * scale, digits)}-{f(x['max'] * scale, digits)})"
+
+
+def cost_lines(summary: dict, design: Design) -> list[str]:
+    """Cost per arm, the schedule audit, the collapsed runs and Task 4's clue shares."""
+    f, spread = study_two._f, _spread_text
+    lines = ["## Cost", "", "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
               f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} |" for arm, c in summary["costs"].items()]
     lines += ["", "## Steps, budget and schedule (confirmation runs: mean, min-max)", "",
@@ -565,10 +638,6 @@ def summarize(design: Design, results_dir: Path) -> dict:
               "them the learning rate is 0.", "",
               "| arm | runs | steps | tokens over TOK's budget | share in continuations | steps in warm-up "
               "| last learning rate (x peak) | frozen steps |", "|---" * 8 + "|"]
-
-    def spread(x, scale=1.0, digits=3):
-        return "-" if x is None else (f"{f(x['mean'] * scale, digits)} ({f(x['min'] * scale, digits)}-"
-                                      f"{f(x['max'] * scale, digits)})")
     lines += [f"| {arm} | {c['runs']} | {spread(c['steps'], digits=1)} | {spread(c['over_budget'], 100, 1)} % "
               f"| {spread(c['mc_share'], 100, 1)} % | {spread(c['warmup_share'], 100, 1)} % "
               f"| {spread(c['last_learning_rate'])} | {spread(c['frozen_steps'], digits=1)} |"
@@ -578,12 +647,32 @@ def summarize(design: Design, results_dir: Path) -> dict:
               f"KL coefficient {c['kl_coef_first']:.3g} -> {c['kl_coef_max']:.3g}, {f(c['run_seconds'], 0)} s, "
               f"gold {f(c['gold'])}" for c in summary["collapsed"]] or ["- none"]
     lines += ["", "## Task 4: right clue words among clue words after markers (primary endpoint)", ""]
-    lines += [f"- {k}: {f(v)}" for k, v in summary["clue_shares"].items()]
-    (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    (results_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    if table:
-        plot(table, results_dir)
-    return summary
+    return lines + [f"- {k}: {f(v)}" for k, v in summary["clue_shares"].items()] + [""]
+
+
+def side_lines(side: dict) -> list[str]:
+    """The side measurement: MC-LP's boundaries against MC5's, and forward tokens per arm (one step from SFT)."""
+    f = study_two._f
+    files = ", ".join(f"{name} ({v['commit']}, {'clean' if v['clean'] else 'dirty'})" for name, v in side["files"].items())
+    lines = ["## Side measurement: one step from the SFT policy on the study's models (gold_sft)", "",
+             f"Files: {files or 'none'} (benchmarks/credit_segments_side.py). Step 1 only: trained policies' responses, "
+             "and so their boundaries and costs, change over a run.", "",
+             "MC-LP's kept boundaries against MC5's on the same responses (token 0, which both keep, left out):", "",
+             "| task/build | responses | low_prob segments before keeping 4 | identical to an MC5 position "
+             "| mean distance to the nearest (tokens) |", "|---" * 5 + "|"]
+    lines += [f"| {name} | {b['responses']} | {f(b['low_prob_segments'], 1)} | {f(100 * b['share_identical'], 1)} % "
+              f"| {f(b['mean_distance'], 2)} |" for name, b in sorted(side["boundaries"].items())]
+    lines += ["", "Forward tokens of one step (policy, reference, critic and reward model; mean (min-max) over the "
+              "task/builds measured):", "",
+              "| arm | task/builds | per token the policy sampled | per token of the budget (with continuations) "
+              "| share re-encoding Monte-Carlo prefixes |", "|---" * 5 + "|"]
+    for arm, builds in side["forward"].items():
+        column = {k: _spread([b[k] for b in builds.values()])
+                  for k in ("per_sampled_token", "per_budget_token", "prefix_reencoding_share")}
+        lines.append(f"| {arm} | {len(builds)} | {_spread_text(column['per_sampled_token'], digits=1)} "
+                     f"| {_spread_text(column['per_budget_token'], digits=1)} "
+                     f"| {_spread_text(column['prefix_reencoding_share'], 100, 1)} % |")
+    return lines + [""]
 
 
 def plot(table: dict, results_dir: Path) -> Path:

@@ -188,3 +188,43 @@ def test_the_tiny_study_end_to_end(tmp_path):
     assert "right_of_found" in tok["evaluations"][-1] and tok["commit"] and "clean" in tok
     assert (results / "summary.md").exists() and (results / "paired_differences.png").exists()
     assert study.main(args) == 0 and len(sorted(results.glob("*/*/*/*/build*-seed*.json"))) == len(files)
+
+
+def _timed(started: str, finished: str) -> dict:
+    return {"started": f"2026-12-07T{started}+00:00", "finished": f"2026-12-07T{finished}+00:00"}
+
+
+def test_the_budget_clock_charges_superseded_runs():
+    """Amendment 2: runs moved to superseded/ are not used but their time stays charged."""
+    results = {("confirmation", "task3", "gold_sft", "TOK", 1, 10): _timed("10:00:00", "11:00:00")}
+    superseded = {("confirmation", "task3", "gold_sft", "TOK", 1, 10): _timed("08:00:00", "09:00:00")}
+    clock = study.wall_time(results, superseded)
+    assert clock["hours"] == pytest.approx(1.0) and clock["superseded_hours"] == pytest.approx(0.5)
+    assert clock["span_hours"] == pytest.approx(2.0)
+    assert study.wall_time(results)["hours"] == pytest.approx(0.5)
+
+
+def _side_file(path: Path, sft: str, builds: tuple[str, ...] = ("task3/build1",)) -> None:
+    cost = {"forward_tokens_per_rollout_token": 30.0, "forward_tokens_per_budget_token": 5.0,
+            "parts": {"mc_prefix_reencoding": {"tokens": 20}}, "forward": {"tokens": 100}}
+    setup = {"boundaries": {"responses": 64, "low_prob_segments_before_keeping": {"mean": 40.0},
+                            "overlap_without_token0": {"share_identical": 0.2, "mean_distance": 1.5}},
+             "cost": {"MC5": cost}}
+    path.write_text(json.dumps({"commit": "c" * 40, "clean": True, "builds": {
+        b: {"sft_sha256": sft, "reward_sha256": "r", "setups": {"gold_sft": setup}} for b in builds}}))
+
+
+def test_the_side_measurement_is_read_only_from_the_studys_models(tmp_path):
+    results = {("confirmation", "task3", "gold_sft", "TOK", 1, 10): {"task": "task3", "build": 1,
+                                                                     "sft_sha256": "s", "reward_sha256": "r"}}
+    _side_file(tmp_path / "side_measurements.json", "s")
+    side = study.side_measurements(tmp_path, results)
+    assert side["boundaries"]["task3/build1"]["share_identical"] == 0.2
+    assert side["forward"]["MC5"]["task3/build1"]["prefix_reencoding_share"] == pytest.approx(0.2)
+    _side_file(tmp_path / "side_build1_again.json", "s")
+    with pytest.raises(SystemExit, match="two side files"):
+        study.side_measurements(tmp_path, results)
+    (tmp_path / "side_build1_again.json").unlink()
+    _side_file(tmp_path / "side_measurements.json", "other")
+    with pytest.raises(SystemExit, match="other models than the study's"):
+        study.side_measurements(tmp_path, results)
