@@ -6,6 +6,7 @@ at an equal budget of generated tokens.
     python benchmarks/credit_segments.py --max_runs 20 ...      # part of it, in several sittings
     python benchmarks/credit_segments.py --summarize --results R  # tables and figures from the result files only
     python benchmarks/credit_segments.py --quick --work W --results R   # the tiny version (the test's)
+    python benchmarks/credit_segments.py --exploratory --work W --results R  # amendment 1's exploratory arm, last
 
 The design is pre-registered in benchmarks/results/credit_segments/README.md (design commit c8158f4; also
 docs/studies/segments.md) and fixed here in `DESIGN`, `ARMS`, `KL_TARGETS` and `MARGINS`. In short: tasks task1_long,
@@ -76,6 +77,7 @@ AMENDMENT_2_COMMIT = "0f4d00d"  # amendment 2: one set of models per build, kept
 BUDGET_HOURS = 28.0  # amendment 1 (the design's 12 h), tuning included, by `wall_time`'s clock
 SUPERSEDED = "superseded"  # amendment 2: TOK's first build-1 runs, on models no longer kept
 SIDE = "side"  # benchmarks/credit_segments_side.py's files
+EXPLORATORY = "exploratory"  # amendment 1's exploratory phase: a later commit, its own directory, never decided on
 
 TOKEN = {"termination": "fixed", "ngram": 1}
 FIXED5 = {"termination": "fixed", "ngram": 5}
@@ -129,6 +131,8 @@ class Design:
     confirmation_seeds: tuple[int, ...]
     arms: tuple[str, ...]
     equal_steps_builds: tuple[int, ...]  # the Monte-Carlo arms' 50-step secondary
+    exploratory_arm: str = "MC5"  # amendment 1's exploratory arm: its schedule planned over its own steps
+    exploratory_builds: tuple[int, ...] = (1,)
     steps: int = STEPS
     eval_every: int = EVAL_EVERY
     quick: bool = False
@@ -141,8 +145,8 @@ DESIGN = Design(tasks=tuple(TASKS), setups=tuple(SETUPS), tuning_setups=("gold_s
 # action arm, a Monte-Carlo one on tuned boundaries, a group one) on 2 seeds, and the equal-steps phase.
 QUICK_DESIGN = Design(tasks=("task4",), setups=("gold_sft",), tuning_setups=("gold_sft",), tuning_builds=(0,),
                       tuning_seeds=(0,), confirmation_builds=(1,), confirmation_seeds=(10, 11),
-                      arms=("TOK", "MA5", "MC-LP", "GRPO"),
-                      equal_steps_builds=(1,), steps=3, eval_every=2, quick=True)
+                      arms=("TOK", "MA5", "MC-LP", "GRPO"), equal_steps_builds=(1,), exploratory_arm="MC-LP",
+                      steps=3, eval_every=2, quick=True)
 
 
 # ---------------------------------------------------------------------------------------------- jobs
@@ -165,6 +169,19 @@ def confirmation_stages(design: Design) -> list[list[tuple]]:
     return [jobs("confirmation", design.confirmation_builds, ["TOK"]),
             *[jobs("confirmation", [b], others) for b in design.confirmation_builds],
             jobs("equal_steps", design.equal_steps_builds, [a for a in design.arms if a in MC_ARMS])]
+
+
+def exploratory_jobs(design: Design) -> list[tuple]:
+    """Amendment 1's exploratory runs (never decided on, after every confirmation run): the exploratory arm on its
+    builds, every group and confirmation seed, each paired with the confirmation's TOK run and budget."""
+    return [(EXPLORATORY, task, setup, design.exploratory_arm, build, seed) for build in design.exploratory_builds
+            for seed in design.confirmation_seeds for task in design.tasks for setup in design.setups]
+
+
+def own_steps(job: tuple, results: dict) -> int:
+    """An exploratory run's planned steps: the steps its arm's confirmation run of the same group, build and seed
+    took to reach TOK's budget (a run that needs more goes on at the schedule's last learning rate, 0)."""
+    return len(results[("confirmation", *job[1:])]["curves"]["rollout/tokens"])
 
 
 def result_path(results: Path, job: tuple) -> Path:
@@ -200,12 +217,15 @@ def arm_options(arm: str, choices: dict | None) -> dict:
     return options
 
 
-def job_options(job: tuple, design: Design, choices: dict | None, budget: int | None) -> dict:
+def job_options(job: tuple, design: Design, choices: dict | None, budget: int | None,
+                planned_steps: int | None = None) -> dict:
     """The run's PPOConfig options: its arm's, the adaptive KL controller, and the token budget: the Monte-Carlo arms
     and tuning runs end at the step that reaches it, the other confirmation arms at that step or step 50, whichever
-    comes later."""
+    comes later. `planned_steps` (exploratory runs): the learning-rate schedule's plan instead of 50 steps."""
     phase, task, setup, arm, _, _ = job
     options = {**arm_options(arm, choices), "kl_target": KL_TARGETS[(task, setup)], "kl_horizon": KL_HORIZON}
+    if planned_steps is not None:
+        options["max_steps"] = planned_steps
     if budget is not None:
         options["min_generated_tokens"] = budget
         if phase == "tuning" or arm.partition("+")[0] in MC_ARMS:
@@ -469,6 +489,34 @@ def schedules(design: Design, results: dict) -> dict:
     return out
 
 
+def exploratory(design: Design, results: dict) -> dict:
+    """Amendment 1's exploratory arm per group (never decided on): its held-out gold at the budget against TOK's and
+    against its arm's confirmation run (paired by build and seed), its planned and taken steps, and the learning
+    rate's multiplier at its last update under its own plan."""
+    out = {}
+    for task in design.tasks:
+        for setup in design.setups:
+            runs = [(r, results.get(("confirmation", task, setup, "TOK", b, s)),
+                     results.get(("confirmation", task, setup, design.exploratory_arm, b, s)))
+                    for (phase, t, u, _, b, s), r in sorted(results.items(), key=lambda item: str(item[0]))
+                    if (phase, t, u) == (EXPLORATORY, task, setup)]
+            runs = [(own, tok, arm) for own, tok, arm in runs if tok and arm]
+            if not runs:
+                continue
+
+            def gold(r):
+                return at_budget(r)["gold_reward"]
+            planned = [r["options"]["max_steps"] for r, _, _ in runs]
+            taken = [len(r["curves"]["rollout/tokens"]) for r, _, _ in runs]
+            out[f"{task}/{setup}"] = {
+                "n": len(runs), "gold": float(np.mean([gold(r) for r, _, _ in runs])),
+                "vs_tok": paired_t([gold(r) - gold(tok) for r, tok, _ in runs]),
+                "vs_confirmation": paired_t([gold(r) - gold(arm) for r, _, arm in runs]),
+                "planned_steps": _spread(planned), "steps": _spread(taken),
+                "last_learning_rate": _spread([learning_rate_multiplier(n - 1, p) for n, p in zip(taken, planned)])}
+    return out
+
+
 def collapsed(results: dict, shrink: float = 0.25) -> list[dict]:
     """Every run (tuning included) whose responses shrank below `shrink` of their first step's length over its last
     5 steps: its length, its steps past the plan and its adaptive KL coefficient (which can only climb while the
@@ -551,13 +599,17 @@ def load_results(results: Path) -> dict[tuple, dict]:
     """Every result file (Study II's loader: one build's runs must share their models); confirmation files
     (confirmation, equal_steps) must all come from one commit of a clean tree, the tuning files' (amendment 1)."""
     out = study_two.load_results(results)
-    commits = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] != "tuning" and not r.get("quick")}
+    commits = {(r["commit"], r["clean"]) for k, r in out.items()
+               if k[0] not in ("tuning", EXPLORATORY) and not r.get("quick")}
     if len(commits) > 1:
         raise SystemExit(f"confirmation result files come from more than one commit: {sorted(commits)}")
     tuning = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] == "tuning" and not r.get("quick")}
     if commits and tuning and commits != tuning:
         raise SystemExit(f"confirmation result files come from {sorted(commits)}, the tuning files from "
                          f"{sorted(tuning)}: every run of the study must come from one commit of a clean tree")
+    exploratory = {(r["commit"], r["clean"]) for k, r in out.items() if k[0] == EXPLORATORY and not r.get("quick")}
+    if len(exploratory) > 1 or any(not clean for _, clean in exploratory):
+        raise SystemExit(f"exploratory result files must come from one commit of a clean tree: {sorted(exploratory)}")
     return out
 
 
@@ -574,6 +626,7 @@ def summarize(design: Design, results_dir: Path) -> dict:
     summary = {"choices": choices, "comparison": table, "costs": costs(design, results),
                "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
                "collapsed": collapsed(results), "side": side_measurements(results_dir / SIDE, results),
+               "exploratory": exploratory(design, results),
                "superseded": sorted("/".join(map(str, k)) for k in superseded),
                "wall_time": wall_time(results, superseded), "runs": len(results)}
     f = study_two._f
@@ -590,6 +643,7 @@ def summarize(design: Design, results_dir: Path) -> dict:
                                               for r in [*results.values(), *superseded.values()]})), "",
              "## Tuning (build 0, gold_sft)", "", f"Chosen: {choices['settings']}; scores {choices['scores']}", ""]
     lines += comparison_lines(table) + cost_lines(summary, design) + side_lines(summary["side"])
+    lines += exploratory_lines(summary["exploratory"], design)
     lines += ["## Superseded runs (amendment 2)", ""]
     lines += [f"- {run}" for run in summary["superseded"]] or ["- none"]
     (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
@@ -650,6 +704,24 @@ def cost_lines(summary: dict, design: Design) -> list[str]:
     return lines + [f"- {k}: {f(v)}" for k, v in summary["clue_shares"].items()] + [""]
 
 
+def exploratory_lines(table: dict, design: Design) -> list[str]:
+    """Amendment 1's exploratory arm, every group (nothing is decided on it)."""
+    if not table:
+        return []
+    f = study_two._f
+    lines = [f"## Exploratory, never decided on: {design.exploratory_arm} with its schedule planned over its own steps "
+             f"(builds {', '.join(map(str, design.exploratory_builds))})", "",
+             "Planned steps: the steps its confirmation run of the same group, build and seed took; mean [95 % t] of "
+             "paired differences at TOK's budget.", "",
+             "| group | pairs | gold | - TOK | - its confirmation run | planned steps | steps | last learning rate (x peak) |",
+             "|---" * 8 + "|"]
+    lines += [f"| {group} | {e['n']} | {f(e['gold'])} | {study_two._ci(e['vs_tok'])} | "
+              f"{study_two._ci(e['vs_confirmation'])} | {_spread_text(e['planned_steps'], digits=1)} "
+              f"| {_spread_text(e['steps'], digits=1)} | {_spread_text(e['last_learning_rate'])} |"
+              for group, e in table.items()]
+    return lines + [""]
+
+
 def side_lines(side: dict) -> list[str]:
     """The side measurement: MC-LP's boundaries against MC5's, and forward tokens per arm (one step from SFT)."""
     f = study_two._f
@@ -706,9 +778,26 @@ def _run(jobs: list[tuple], design: Design, choices: dict | None, work: Path, re
     for job in jobs:
         source = budget_job(job, choices)
         budget = generated_tokens(done[source]) if source is not None else None
-        calls[job] = (run_job, (job, job_options(job, design, choices, budget), budget, str(work), str(results),
-                                design))
+        planned = own_steps(job, done) if job[0] == EXPLORATORY else None
+        calls[job] = (run_job, (job, job_options(job, design, choices, budget, planned), budget, str(work),
+                                str(results), design))
     return study_one.run_in_pool(calls, workers, "study III runs")
+
+
+def run_exploratory(design: Design, work: Path, results: Path, workers: int, max_runs: int | None) -> int:
+    """Amendment 1's exploratory runs, refused until every confirmation run exists (cut 1: no equal-steps runs)."""
+    done = load_results(results)
+    confirmation = [j for stage in confirmation_stages(design) for j in stage if j[0] == "confirmation"]
+    missing = [j for j in confirmation if j not in done]
+    if missing:
+        raise SystemExit(f"the exploratory runs start after every confirmation run: {len(missing)} of "
+                         f"{len(confirmation)} are missing")
+    todo = [j for j in exploratory_jobs(design) if j not in done][:max_runs]
+    print(f"study III exploratory: {len(exploratory_jobs(design))} runs, {len(todo)} to run", flush=True)
+    failed = _run(todo, design, choices_so_far(design, done), work, results, workers) if todo else 0
+    summarize(design, results)
+    print(f"wrote {results / 'summary.md'}" + (f"; {failed} runs failed (they run again next time)" if failed else ""))
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -721,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_runs", type=int, default=None, help="stop after starting this many new runs")
     parser.add_argument("--summarize", action="store_true", help="only write the tables and figures")
     parser.add_argument("--quick", action="store_true", help="the tiny design with tiny sizes (the test's)")
+    parser.add_argument("--exploratory", action="store_true",
+                        help="only amendment 1's exploratory runs (after every confirmation run, from a later commit)")
     arguments = parser.parse_args(argv)
     if arguments.workers < 1:
         parser.error("--workers must be >= 1")
@@ -732,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check_provenance(results, arguments.quick)
     results.mkdir(parents=True, exist_ok=True)
+    if arguments.exploratory:
+        return run_exploratory(design, work, results, arguments.workers, arguments.max_runs)
     budget = math.inf if arguments.max_runs is None else arguments.max_runs
     failed = 0
     stages = tuning_stages(design)

@@ -214,15 +214,15 @@ def run_method(config: DemoConfig, models: DemoModels, options: dict[str, Any], 
     response_tokens = max_response_tokens(config.num_words)
     ppo_config = PPOConfig(
         model_name_or_path=str(models.sft_dir), reward_model_name_or_path=str(models.reward_dir),
-        output_dir=str(run_dir), overwrite_output_dir=True, seed=seed, save_steps=0, max_steps=config.ppo_steps,
+        output_dir=str(run_dir), overwrite_output_dir=True, seed=seed, save_steps=0,
         per_device_batch_size=prompts_per_step, mini_batch_size=config.ppo_batch_size // 2,
         learning_rate=config.ppo_learning_rate, critic_learning_rate=config.critic_learning_rate,
         kl_coef=config.kl_coef,
         critic_model_name_or_path=str(models.sft_dir if config.critic_init == "sft" else models.reward_dir),
         max_prompt_length=MAX_PROMPT_TOKENS, max_response_length=response_tokens,
         max_length=MAX_PROMPT_TOKENS + response_tokens,
-        **{"lam": config.lam, "value_weighting": config.value_weighting,
-           "segment_weighting": config.segment_weighting, **options})
+        **{"max_steps": config.ppo_steps, "lam": config.lam, "value_weighting": config.value_weighting,
+           "segment_weighting": config.segment_weighting, **options})  # a method's options win
     def step_done(*state) -> None:
         reward_fn.end_step()
         if after_step is not None:

@@ -113,11 +113,7 @@ def test_a_dirty_tree_and_results_inside_it_are_refused(tmp_path):
 
 def test_summarize_refuses_confirmation_files_of_two_commits(tmp_path):
     for seed, commit in ((10, "a" * 40), (11, "b" * 40)):
-        job = ("confirmation", "task4", "gold_sft", "TOK", 1, seed)
-        path = study.result_path(tmp_path, job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"phase": job[0], "task": job[1], "setup": job[2], "arm": job[3], "build": 1,
-                                    "seed": seed, "commit": commit, "clean": True}))
+        _write(tmp_path, ("confirmation", "task4", "gold_sft", "TOK", 1, seed), commit)
     with pytest.raises(SystemExit, match="more than one commit"):
         study.summarize(study.DESIGN, tmp_path)
 
@@ -126,12 +122,41 @@ def test_summarize_refuses_confirmation_files_of_another_commit_than_the_tuning_
     """Amendment 1: every run of the study, tuning and confirmation, from one commit."""
     for job, commit in ((("tuning", "task4", "gold_sft", "TOK+lam1", 0, 0), "a" * 40),
                         (("confirmation", "task4", "gold_sft", "TOK", 1, 10), "b" * 40)):
-        path = study.result_path(tmp_path, job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"phase": job[0], "task": job[1], "setup": job[2], "arm": job[3], "build": job[4],
-                                    "seed": job[5], "commit": commit, "clean": True}))
+        _write(tmp_path, job, commit)
     with pytest.raises(SystemExit, match="the tuning files from"):
         study.load_results(tmp_path)
+
+
+def _write(results: Path, job: tuple, commit: str, clean: bool = True) -> None:
+    path = study.result_path(results, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"phase": job[0], "task": job[1], "setup": job[2], "arm": job[3], "build": job[4],
+                                "seed": job[5], "commit": commit, "clean": clean}))
+
+
+def test_exploratory_files_come_from_one_later_commit_of_a_clean_tree(tmp_path):
+    """Amendment 1: the exploratory arm runs from a later commit than the study's, in a directory of its own."""
+    _write(tmp_path, ("tuning", "task4", "gold_sft", "TOK+lam1", 0, 0), "a" * 40)
+    _write(tmp_path, ("confirmation", "task4", "gold_sft", "TOK", 1, 10), "a" * 40)
+    _write(tmp_path, ("exploratory", "task4", "gold_sft", "MC5", 1, 10), "b" * 40)
+    assert len(study.load_results(tmp_path)) == 3
+    _write(tmp_path, ("exploratory", "task4", "gold_sft", "MC5", 1, 11), "c" * 40)
+    with pytest.raises(SystemExit, match="exploratory result files must come from one commit"):
+        study.load_results(tmp_path)
+
+
+def test_the_exploratory_runs_wait_for_every_confirmation_run_and_plan_their_own_steps(tmp_path):
+    _write(tmp_path, ("confirmation", "task4", "gold_sft", "TOK", 1, 10), "a" * 40)
+    with pytest.raises(SystemExit, match="after every confirmation run: 575 of 576 are missing"):
+        study.run_exploratory(study.DESIGN, tmp_path / "work", tmp_path, 1, None)
+    jobs = study.exploratory_jobs(study.DESIGN)
+    assert len(jobs) == 24 and {j[3] for j in jobs} == {"MC5"} and {j[4] for j in jobs} == {1}
+    job = ("exploratory", "task3", "rm_rm", "MC5", 1, 12)
+    results = {("confirmation", "task3", "rm_rm", "MC5", 1, 12): {"curves": _curves([9] * 8, [0.05] * 8, [5] * 8)}}
+    assert study.own_steps(job, results) == 8
+    options = study.job_options(job, study.DESIGN, CHOICES, 1000, study.own_steps(job, results))
+    assert options["max_steps"] == 8 and options["max_generated_tokens"] == options["min_generated_tokens"] == 1000
+    assert options["advantage"] == "mc_segment" and options["advantage_options"]["mc_samples"] == 4  # CHOICES' K4
 
 
 def _curves(lengths, coefs, tokens, mc=None):
@@ -188,6 +213,13 @@ def test_the_tiny_study_end_to_end(tmp_path):
     assert "right_of_found" in tok["evaluations"][-1] and tok["commit"] and "clean" in tok
     assert (results / "summary.md").exists() and (results / "paired_differences.png").exists()
     assert study.main(args) == 0 and len(sorted(results.glob("*/*/*/*/build*-seed*.json"))) == len(files)
+    assert study.main([*args, "--exploratory"]) == 0  # amendment 1's exploratory arm, after the confirmation
+    for seed in (10, 11):
+        own = json.loads(study.result_path(results, ("exploratory", "task4", "gold_sft", "MC-LP", 1, seed)).read_text())
+        confirmation = runs[("confirmation", "MC-LP", seed)]
+        assert own["options"]["max_steps"] == len(confirmation["curves"]["rollout/tokens"])
+        assert own["budget"] == runs[("confirmation", "TOK", seed)]["generated_tokens"]
+    assert "## Exploratory, never decided on: MC-LP" in (results / "summary.md").read_text()
 
 
 def _timed(started: str, finished: str) -> dict:

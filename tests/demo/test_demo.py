@@ -128,3 +128,30 @@ def test_command_line_quick_preset_keeps_given_options(monkeypatch, tmp_path):
     assert seen[-1].methods == ("rloo", "dpo") and seen[-1].ppo_steps == DemoConfig.quick().ppo_steps
     cli.main(["demo", "--out", str(tmp_path), "--ppo_steps", "7"])
     assert seen[-1].ppo_steps == 7 and seen[-1].seeds == DemoConfig().seeds
+
+
+def test_a_methods_options_win_over_the_demos_ppo_settings(monkeypatch, tmp_path):
+    """run_method: a method's options override the demo's (Study III plans a run's schedule with max_steps)."""
+    from types import SimpleNamespace
+
+    from marlhf.demo import pipeline
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def train_ppo(config, *args, **kwargs):
+        seen["config"] = config
+        raise Stop
+
+    monkeypatch.setattr(pipeline, "train_ppo", train_ppo)
+    monkeypatch.setattr(pipeline, "RewardWithGold", lambda *args: None)
+    models = SimpleNamespace(reward_model=None, tokenizer=None, task=None, sft_dir=tmp_path, reward_dir=tmp_path)
+    config = DemoConfig.quick()
+    with pytest.raises(Stop):
+        pipeline.run_method(config, models, {"max_steps": 7, "lam": 0.9}, 0, tmp_path / "run", [], [], "m")
+    assert seen["config"].max_steps == 7 and seen["config"].plugin_options("advantage").lam == 0.9
+    with pytest.raises(Stop):
+        pipeline.run_method(config, models, {}, 0, tmp_path / "run", [], [], "m")
+    assert seen["config"].max_steps == config.ppo_steps
