@@ -461,6 +461,12 @@ def learning_rate_multiplier(step: int, planned: int) -> float:
     return float(make_scheduler(optimizer, TrainingConfig(), planned).lr_lambdas[0](step))
 
 
+def warmup_steps(design: Design) -> int:
+    """The steps before the learning rate's peak in a run planned over the design's steps."""
+    multipliers = [learning_rate_multiplier(i, design.steps) for i in range(design.steps)]
+    return multipliers.index(max(multipliers))
+
+
 def _spread(values: list[float]) -> dict:
     return {"mean": float(np.mean(values)), "min": float(np.min(values)), "max": float(np.max(values))}
 
@@ -470,8 +476,7 @@ def schedules(design: Design, results: dict) -> dict:
     over TOK's budget (stopping at the first step that reaches it overshoots), the share of its tokens in
     Monte-Carlo continuations, the share of its steps in warm-up, the learning rate's multiplier at its last
     update, and its steps past the plan (learning rate 0: the policy is frozen)."""
-    multipliers = [learning_rate_multiplier(i, design.steps) for i in range(design.steps)]
-    warmup = multipliers.index(max(multipliers))  # the steps before the peak
+    warmup = warmup_steps(design)
     out = {}
     for arm in design.arms:
         rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
@@ -642,7 +647,7 @@ def summarize(design: Design, results_dir: Path) -> dict:
              "Commits: " + ", ".join(sorted({f"{r['commit'][:7]} ({'clean' if r['clean'] else 'dirty'})"
                                               for r in [*results.values(), *superseded.values()]})), "",
              "## Tuning (build 0, gold_sft)", "", f"Chosen: {choices['settings']}; scores {choices['scores']}", ""]
-    lines += comparison_lines(table) + cost_lines(summary, design) + side_lines(summary["side"])
+    lines += comparison_lines(table) + schedule_notes(table, design) + cost_lines(summary, design) + side_lines(summary["side"])
     lines += exploratory_lines(summary["exploratory"], design)
     lines += ["## Superseded runs (amendment 2)", ""]
     lines += [f"- {run}" for run in summary["superseded"]] or ["- none"]
@@ -672,6 +677,27 @@ def comparison_lines(table: dict) -> list[str]:
                          f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
                          f"| {study_two._ci(e['matched_kl'])} | {f(e['budget_step'], 1)} |")
     return lines + [""]
+
+
+def schedule_notes(table: dict, design: Design) -> list[str]:
+    """Under the primary table, a line per arm whose runs reached the budget before the learning-rate plan ended
+    (or only after it, frozen): where a finding could be the schedule's rather than the estimator's."""
+    warmup = warmup_steps(design)
+    lines = []
+    for arm, entries in table.items():
+        steps = [e["budget_step"] for e in entries.values() if not math.isnan(e["budget_step"])]
+        if not steps:
+            continue
+        low, high = min(steps), max(steps)
+        if high < design.steps:
+            lines.append(f"- {arm} reached the budget at steps {low:.1f}-{high:.1f} (group means) of a {design.steps}-step "
+                         f"plan whose warm-up is {warmup} steps: its findings may be its schedule's as much as its "
+                         "estimator's.")
+        elif high > design.steps:
+            lines.append(f"- {arm} reached the budget only after step {design.steps} in some groups (up to {high:.1f}): "
+                         "its policy was frozen (learning rate 0) past the plan, so there it had no more updates than "
+                         "TOK.")
+    return (["Schedule against estimator:", "", *lines, ""]) if lines else []
 
 
 def _spread_text(x: dict | None, scale: float = 1.0, digits: int = 3) -> str:

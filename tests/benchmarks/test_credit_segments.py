@@ -260,3 +260,14 @@ def test_the_side_measurement_is_read_only_from_the_studys_models(tmp_path):
     _side_file(tmp_path / "side_measurements.json", "other")
     with pytest.raises(SystemExit, match="other models than the study's"):
         study.side_measurements(tmp_path, results)
+
+
+def test_a_finding_reached_inside_the_schedule_says_it_may_be_the_schedules():
+    table = {"MC5": {"task3/gold_sft": {"budget_step": 8.0}, "task4/gold_sft": {"budget_step": 6.5}},
+             "MA5": {"task3/gold_sft": {"budget_step": 50.0}, "task4/gold_sft": {"budget_step": 57.0}},
+             "GRPO": {"task3/gold_sft": {"budget_step": 50.0}}}
+    lines = study.schedule_notes(table, study.DESIGN)
+    assert study.warmup_steps(study.DESIGN) == 5
+    assert any(line.startswith("- MC5 reached the budget at steps 6.5-8.0 (group means) of a 50-step plan") for line in lines)
+    assert any(line.startswith("- MA5 reached the budget only after step 50") and "57.0" in line for line in lines)
+    assert not any("GRPO" in line for line in lines)
