@@ -433,6 +433,28 @@ def compare(design: Design, results: dict) -> dict:
     return table
 
 
+def decision(design: Design, table: dict) -> dict:
+    """The README's decision rule applied to the findings: per arm the groups where it is ahead of TOK, behind it,
+    equivalent to it, and the rest with what they exclude (rule 1); whether it becomes the documented recommendation,
+    ahead in at least 3 groups and behind in none (rule 2); whether no Monte-Carlo or prefix-tree arm is ahead in any
+    group (rule 3). `complete`: every group of every arm has all its pairs (until then nothing is decided)."""
+    pairs = len(design.confirmation_builds) * len(design.confirmation_seeds)
+    arms = {}
+    for arm, entries in table.items():
+        found = {"ahead": [], "behind": [], "equivalent": [], "excluded": {}}
+        for group, e in entries.items():
+            if e["finding"].startswith("no difference"):
+                found["excluded"][group] = e["finding"].split("; ")[1]
+            elif e["finding"].startswith("equivalent"):
+                found["equivalent"].append(group)
+            elif e["finding"] in ("ahead", "behind"):
+                found[e["finding"]].append(group)
+        arms[arm] = {**found, "recommended": len(found["ahead"]) >= 3 and not found["behind"]}
+    segment_values = [a for a in arms if a in MC_ARMS or a == "TEMPO"]  # Monte-Carlo and prefix-tree values
+    return {"complete": bool(table) and all(e["n"] == pairs for entries in table.values() for e in entries.values()),
+            "arms": arms, "no_segment_value_arm_ahead": not any(arms[a]["ahead"] for a in segment_values)}
+
+
 def costs(design: Design, results: dict) -> dict:
     """Per arm over its confirmation runs: mean run seconds, generated tokens and Monte-Carlo tokens, and the
     Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations)."""
@@ -628,7 +650,8 @@ def summarize(design: Design, results_dir: Path) -> dict:
     superseded = load_superseded(results_dir)
     choices = choices_so_far(design, results)
     table = compare(design, results) if len(choices["settings"]) == len(TUNED) else {}
-    summary = {"choices": choices, "comparison": table, "costs": costs(design, results),
+    summary = {"choices": choices, "comparison": table, "decision": decision(design, table),
+               "costs": costs(design, results),
                "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
                "collapsed": collapsed(results), "side": side_measurements(results_dir / SIDE, results),
                "exploratory": exploratory(design, results),
@@ -647,7 +670,8 @@ def summarize(design: Design, results_dir: Path) -> dict:
              "Commits: " + ", ".join(sorted({f"{r['commit'][:7]} ({'clean' if r['clean'] else 'dirty'})"
                                               for r in [*results.values(), *superseded.values()]})), "",
              "## Tuning (build 0, gold_sft)", "", f"Chosen: {choices['settings']}; scores {choices['scores']}", ""]
-    lines += comparison_lines(table) + schedule_notes(table, design) + cost_lines(summary, design) + side_lines(summary["side"])
+    lines += comparison_lines(table) + schedule_notes(table, design) + decision_lines(summary["decision"])
+    lines += cost_lines(summary, design) + side_lines(summary["side"])
     lines += exploratory_lines(summary["exploratory"], design)
     lines += ["## Superseded runs (amendment 2)", ""]
     lines += [f"- {run}" for run in summary["superseded"]] or ["- none"]
@@ -676,6 +700,29 @@ def comparison_lines(table: dict) -> list[str]:
                          f"| {', '.join(f(v) for v in e['by_build'].values())} | {f(t['p'])} ({f(t['p_holm'])}) "
                          f"| [{f(t['tost_ci'][0])}, {f(t['tost_ci'][1])}] | {e['finding']} "
                          f"| {study_two._ci(e['matched_kl'])} | {f(e['budget_step'], 1)} |")
+    return lines + [""]
+
+
+def decision_lines(rule: dict) -> list[str]:
+    """The decision rule's reading of the findings, stated as provisional until every pair exists."""
+    if not rule["arms"]:
+        return []
+    lines = ["## Decision rule (README), applied to the findings above", "",
+             "Every pair is in." if rule["complete"] else "**Provisional: not every pair is in; nothing is decided.**",
+             ""]
+    for arm, found in rule["arms"].items():
+        listed = {k: ", ".join(found[k]) or "none" for k in ("ahead", "behind", "equivalent")}
+        excluded = "; ".join(f"{group}: {text}" for group, text in found["excluded"].items()) or "none"
+        lines.append(f"- {arm}: ahead in {listed['ahead']}; behind in {listed['behind']}; equivalent in "
+                     f"{listed['equivalent']}; no difference detected in {excluded}. Recommendation (rule 2): "
+                     f"{'yes' if found['recommended'] else 'no'}.")
+    if not rule["complete"]:
+        lines.append("- Rule 3: applied once every pair is in.")
+    elif rule["no_segment_value_arm_ahead"]:
+        lines.append("- Rule 3: no Monte-Carlo or prefix-tree arm is ahead in any group: on these tasks segment-level "
+                     "values bought nothing at an equal token budget.")
+    else:
+        lines.append("- Rule 3: a Monte-Carlo or prefix-tree arm is ahead in at least one group.")
     return lines + [""]
 
 
@@ -844,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     design = QUICK_DESIGN if arguments.quick else DESIGN
     work, results = Path(arguments.work), Path(arguments.results)
     if arguments.summarize:
+        if not results.is_dir():
+            parser.error(f"--results {results}: no such directory")
         summarize(design, results)
         print(f"wrote {results / 'summary.md'}")
         return 0

@@ -271,3 +271,24 @@ def test_a_finding_reached_inside_the_schedule_says_it_may_be_the_schedules():
     assert any(line.startswith("- MC5 reached the budget at steps 6.5-8.0 (group means) of a 50-step plan") for line in lines)
     assert any(line.startswith("- MA5 reached the budget only after step 50") and "57.0" in line for line in lines)
     assert not any("GRPO" in line for line in lines)
+
+
+def test_the_decision_rule_reads_the_findings():
+    def entries(*findings, n=12):
+        return {f"group{i}": {"finding": f, "n": n} for i, f in enumerate(findings)}
+    excluded = "no difference detected; differences beyond ±0.040 excluded"
+    table = {"MC5": entries("ahead", "ahead", "ahead", "equivalent within the margin", excluded, excluded),
+             "MA5": entries("ahead", "ahead", "ahead", "behind", excluded, excluded),
+             "TEMPO": entries(*[excluded] * 6)}
+    rule = study.decision(study.DESIGN, table)
+    assert rule["complete"] and rule["arms"]["MC5"]["recommended"] and not rule["arms"]["MA5"]["recommended"]
+    assert rule["arms"]["MC5"]["equivalent"] == ["group3"]
+    assert rule["arms"]["TEMPO"]["excluded"]["group0"] == "differences beyond ±0.040 excluded"
+    assert not rule["no_segment_value_arm_ahead"]  # MC5 is ahead somewhere
+    rule = study.decision(study.DESIGN, {"MA5": table["MA5"], "TEMPO": entries(*[excluded] * 5, "ahead", n=11)})
+    assert rule["no_segment_value_arm_ahead"] is False and not rule["complete"]
+    rule = study.decision(study.DESIGN, {"MA5": table["MA5"], "TEMPO": table["TEMPO"]})
+    assert rule["no_segment_value_arm_ahead"] and rule["complete"]
+    assert "segment-level values bought nothing" in "\n".join(study.decision_lines(rule))
+    provisional = study.decision(study.DESIGN, {"MC5": entries("ahead", n=3)})
+    assert "Provisional" in "\n".join(study.decision_lines(provisional))
