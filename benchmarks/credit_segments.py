@@ -455,9 +455,12 @@ def decision(design: Design, table: dict) -> dict:
             "arms": arms, "no_segment_value_arm_ahead": not any(arms[a]["ahead"] for a in segment_values)}
 
 
-def costs(design: Design, results: dict) -> dict:
+def costs(design: Design, results: dict, side: dict | None = None) -> dict:
     """Per arm over its confirmation runs: mean run seconds, generated tokens and Monte-Carlo tokens, and the
-    Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations)."""
+    Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations); with
+    the side measurement, an estimate of a run's forward tokens (its generated tokens times its task and build's
+    step-1 forward tokens per budget token) over the runs whose task and build were measured."""
+    ratios = (side or {}).get("forward", {})
     out = {}
     for arm in design.arms:
         rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
@@ -470,6 +473,10 @@ def costs(design: Design, results: dict) -> dict:
                     "mc_tokens": mc / len(rs),
                     "rollout_tokens_per_s": rollout / sum(sum(r["curves"]["time/generation"]) for r in rs),
                     "mc_tokens_per_s": mc / sum(sum(r["curves"]["time/advantages"]) for r in rs) if mc else math.nan}
+        measured = [r["generated_tokens"] * ratios[arm][f"{r['task']}/build{r['build']}"]["per_budget_token"]
+                    for r in rs if f"{r['task']}/build{r['build']}" in ratios.get(arm, {})]
+        out[arm]["forward_tokens_estimate"] = float(np.mean(measured)) if measured else math.nan
+        out[arm]["forward_estimate_runs"] = len(measured)
     return out
 
 
@@ -650,10 +657,11 @@ def summarize(design: Design, results_dir: Path) -> dict:
     superseded = load_superseded(results_dir)
     choices = choices_so_far(design, results)
     table = compare(design, results) if len(choices["settings"]) == len(TUNED) else {}
+    side = side_measurements(results_dir / SIDE, results)
     summary = {"choices": choices, "comparison": table, "decision": decision(design, table),
-               "costs": costs(design, results),
+               "costs": costs(design, results, side),
                "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
-               "collapsed": collapsed(results), "side": side_measurements(results_dir / SIDE, results),
+               "collapsed": collapsed(results), "side": side,
                "exploratory": exploratory(design, results),
                "superseded": sorted("/".join(map(str, k)) for k in superseded),
                "wall_time": wall_time(results, superseded), "runs": len(results)}
@@ -755,10 +763,15 @@ def _spread_text(x: dict | None, scale: float = 1.0, digits: int = 3) -> str:
 def cost_lines(summary: dict, design: Design) -> list[str]:
     """Cost per arm, the schedule audit, the collapsed runs and Task 4's clue shares."""
     f, spread = study_two._f, _spread_text
-    lines = ["## Cost", "", "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["## Cost", "", "Means over each arm's confirmation runs. Forward tokens: an estimate, a run's generated tokens "
+             "times the side measurement's forward tokens per budget token for its task and build (step 1; every "
+             "model, prefix re-encoding included), over the runs whose task and build were measured.", "",
+             "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s "
+             "| forward tokens (estimate, runs) |", "|---" * 8 + "|"]
     lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
-              f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} |" for arm, c in summary["costs"].items()]
+              f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} "
+              f"| {f(c['forward_tokens_estimate'], 0)} ({c['forward_estimate_runs']}) |"
+              for arm, c in summary["costs"].items()]
     lines += ["", "## Steps, budget and schedule (confirmation runs: mean, min-max)", "",
               "A Monte-Carlo arm that stops within a few steps trains mostly in warm-up: its result may be its "
               f"schedule's as much as its estimator's. Warm-up and cosine are planned over {design.steps} steps; past "
