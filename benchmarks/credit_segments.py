@@ -572,8 +572,9 @@ def clue_shares(design: Design, results: dict) -> dict:
     for setup in design.setups:
         for arm in design.arms:
             rs = [r for k, r in results.items() if k[:4] == ("confirmation", "task4", setup, arm)]
-            if rs:
-                out[f"task4/{setup}/{arm}"] = float(np.nanmean([right_clue_share(at_budget(r)) for r in rs]))
+            shares = [x for x in (right_clue_share(at_budget(r)) for r in rs) if not math.isnan(x)]
+            if rs:  # nan where no run found a clue word after its markers
+                out[f"task4/{setup}/{arm}"] = float(np.mean(shares)) if shares else math.nan
     return out
 
 

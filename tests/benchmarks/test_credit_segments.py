@@ -310,3 +310,17 @@ def test_a_runs_forward_tokens_are_estimated_from_its_task_and_builds_side_ratio
     cost = study.costs(study.DESIGN, results, side)["TOK"]
     assert cost["forward_tokens_estimate"] == pytest.approx(9.0 * 200) and cost["forward_estimate_runs"] == 2
     assert math.isnan(study.costs(study.DESIGN, results)["TOK"]["forward_tokens_estimate"])
+
+
+def test_task4s_clue_share_is_nan_without_a_warning_where_no_run_found_a_clue_word():
+    import warnings
+
+    def run(found, right):
+        return {"evaluations": [{"step": 50, "budget": False, "clue_words_of_found": found, "right_of_found": right}]}
+    results = {("confirmation", "task4", "gold_sft", "TOK", 1, 10): run(0, 0),
+               ("confirmation", "task4", "rm_rm", "TOK", 1, 10): run(4, 3),
+               ("confirmation", "task4", "rm_rm", "TOK", 1, 11): run(0, 0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shares = study.clue_shares(study.DESIGN, results)
+    assert math.isnan(shares["task4/gold_sft/TOK"]) and shares["task4/rm_rm/TOK"] == 0.75
