@@ -12,8 +12,6 @@ spec = importlib.util.spec_from_file_location("structure", SCRIPT)
 structure = sys.modules["structure"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
 spec.loader.exec_module(structure)
 
-# Issue 46 moves staleness.py and continuations.py beside their one user, to trainers/, where the layer table lists
-# them, and adds envs/ (the multi-turn environments); until those land either place passes. Empty these then.
 def test_no_import_cycle_and_no_climb_back_up():
     measured = structure.measure()
     assert measured.room_cycles == [] and measured.module_cycles == []
@@ -56,6 +54,13 @@ def test_an_import_into_a_higher_layer_is_a_climb(tmp_path):
     assert (measured.unassigned, measured.unmatched) == (["pkg.stray"], ["gone.py"])
     with pytest.raises(ValueError, match="listed in two layers"):
         structure.measure(package, structure.layer_table(table.replace("`gone.py`", "`high.py`")))
+
+
+def test_the_ppo_step_stays_one_readable_file_under_450_lines():
+    """trainers/ppo.py holds the loop and its stages in reading order; what is not the step (asynchronous rollouts,
+    token budgets, continuations, episodes, set-up) lives beside it."""
+    lines = len((structure.PACKAGE / "trainers" / "ppo.py").read_text().splitlines())
+    assert lines < 450, f"marlhf/trainers/ppo.py has {lines} lines: move what is not the step beside it"
 
 
 def test_no_function_is_longer_than_60_lines():

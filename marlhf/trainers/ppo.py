@@ -2,12 +2,10 @@
 
     policy = train_ppo(PPOConfig(model_name_or_path=SFT_DIR, reward_model_name_or_path=RM_DIR), records)
 
-Models: the policy and a frozen reference both start from the SFT model (no reference when nothing reads it:
-`kl_coef=0` and a reference-free termination rule); the critic starts from the reward model (a ScalarHeadModel);
-the reward model is frozen. A reward function `reward_fn(prompts, responses) -> scores` (a gold reward, unit
-tests), or a list of them, or `reward_fns` by dotted path in TRL's convention `fn(prompts, completions,
-**record_fields)` (marlhf.rewards.functions), can replace the reward model; the critic then starts from the reward
-model if one is named, else from the SFT model with a fresh value head.
+Models: the policy and a frozen reference start from the SFT model (no reference when nothing reads it), the critic
+from the reward model (a ScalarHeadModel), which is frozen. Reward functions (`reward_fn(prompts, responses)`, or
+`reward_fns` by dotted path in TRL's convention; marlhf.rewards.functions) can replace the reward model; the critic
+then starts from the reward model if one is named, else from the SFT model with a fresh value head.
 
 Read top to bottom: `train_ppo` sets the run up (marlhf.trainers.ppo_setup: the plug-ins, the models, the reward
 source, each trained model's `Updater`, and the `PPORun` every stage reads), `train_steps` is the loop, the one
@@ -15,16 +13,15 @@ place that stamps the step's clock, and the stages follow in the order it calls 
 takes the step's `Experience` (marlhf.rollout) and returns a copy with what it adds:
   1. `sample`: `num_samples_per_prompt` responses per prompt from the rollout engine (marlhf.engines);
   2. `score`: log-probs of policy and reference, critic values, one score per response (and entropy if read);
-     with `env`, 1. and 2. run episodes of an environment, one a row (marlhf.trainers.episodes), and the later
-     stages read their action tokens only (`Experience.actions`; docs/multiturn.md);
+     with `env`, 1. and 2. run an environment's episodes, one a row (marlhf.trainers.episodes); the later stages
+     read their action tokens only (`Experience.actions`; docs/multiturn.md);
   3. `per_token_rewards`: -kl_coef * (log pi - log pi_ref) on every token, score on the last token;
   4. `macro_actions`: segment the responses with the termination rule (marlhf.termination);
   5. `estimate_advantages` with the estimator (marlhf.estimators): "gae" over segments (`termination="fixed",
      ngram=1` is token-level PPO), or a critic-free one ("rloo", "grpo", "reinforce", "prefix_tree",
      "entropy_weighted", "mc_segment", "gigpo"), optionally kept only on low-probability tokens (SPO's mask);
-  6. `ppo_update`: PPO epochs over shuffled mini-batches, the policy loss (marlhf.policy_losses; by default the
-     clipped surrogate with one ratio per segment, also for the critic-free estimators), clipped value loss on
-     segment values; then `adapt_kl_coef` under `kl_target`;
+  6. `ppo_update`: PPO epochs over mini-batches, the policy loss (marlhf.policy_losses; by default clipped, one ratio
+     per segment), clipped value loss on segment values; then `adapt_kl_coef` under `kl_target`;
   7. `step_metrics`, checkpoint.
 Beside the step, in their own modules: the asynchronous rollouts (marlhf.trainers.staleness), the token budget
 (marlhf.trainers.token_budget) and the Monte-Carlo continuations (marlhf.trainers.continuations).
@@ -34,11 +31,10 @@ the state where it starts; Study I's pre-registered rule, benchmarks/results/cre
 `lam=1` (Study II's, benchmarks/results/credit_assignment_lambda/README.md). `ratio_granularity`, `segment_reward`,
 `last_token_own_segment` and `rm_score_clip` reproduce the released code's choices instead.
 
-Data parallel (Accelerate): each process samples its own prompts, every response from its own random stream keyed
-by (seed, step, row among all processes' rows); baselines, whitening and the loss's token normalisation span all
-processes, so N processes with P prompts each train like one with N x P (exactly so with one update a step), and a
-resumed run samples what the uninterrupted one sampled. Under DeepSpeed (ZeRO-2/3) policy and critic get an engine
-each, which runs its own backward and steps once per mini-batch (marlhf.trainers.common.backward, optimizer_step).
+Data parallel (Accelerate; docs/distributed.md): every response has its own random stream keyed by (seed, step, row
+among all processes' rows), and baselines, whitening and the loss's normalisation span all processes, so N processes
+with P prompts each train like one with N x P and a resumed run samples what the uninterrupted one sampled. Under
+DeepSpeed policy and critic get an engine each (marlhf.trainers.common.backward, optimizer_step).
 """
 
 from __future__ import annotations
@@ -86,13 +82,11 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
               critic: ScalarHeadModel | None = None, reward_model: ScalarHeadModel | None = None, tokenizer=None,
               reward_fn: RewardFn | list[RewardFn] | None = None, after_step: StepCallback | None = None):
     """Train the policy with (MA-)PPO on `prompts` (strings, or {"prompt": ...} records whose other fields go to
-    reward functions; default: config.dataset) and
-    return it unwrapped. Models not passed in are loaded from the config's paths (`ref` is not used when
-    `config.uses_reference` is False); `reward_fn` replaces the reward model as the source of scores.
-    `after_step(steps_done, policy, generated_tokens)`, if given, is called on every process after each step with
-    the unwrapped policy and the tokens generated so far (None without a token budget), e.g. to evaluate the policy
-    during training; the random states are restored after it, so it does not change the run.
-    Metrics go to OUTPUT_DIR/metrics.jsonl (see logging_utils)."""
+    reward functions; default: config.dataset) and return it unwrapped. Models not passed in are loaded from the
+    config's paths (`ref` is unused when `config.uses_reference` is False); `reward_fn` replaces the reward model as
+    the source of scores. `after_step(steps_done, policy, generated_tokens)`, if given, runs on every process after
+    each step with the unwrapped policy and the tokens generated so far (None without a token budget), e.g. to
+    evaluate during training; the random states are restored after it. Metrics: OUTPUT_DIR/metrics.jsonl."""
     accelerator = make_accelerator(config)
     # The engine first: one that cannot run here (vLLM missing, engine arguments vLLM lacks) stops the run before
     # the models load and before anything is written to output_dir.
@@ -114,8 +108,7 @@ def train_ppo(config: PPOConfig, prompts: list[str] | list[dict[str, Any]] | Non
         policy = accelerator.unwrap_model(policy)
         if config.use_lora:  # a plain model with the adapters merged in; the trained adapters stay as they are
             trained = policy = merge_lora(policy)
-        # saved before the engine closes: vLLM's shutdown tears down the default process group that saving
-        # across processes waits on
+        # saved before the engine closes: vLLM's shutdown tears down the process group that saving waits on
         save_final_model(trained, tokenizer, config.output_dir, accelerator)
     return policy
 
@@ -360,10 +353,8 @@ def _update_piece(run: PPORun, piece: Experience, totals: dict[str, torch.Tensor
                                                            piece.segment_ids, config.loss_agg_mode, num_slots,
                                                            policy_loss.options, piece.rollout_logprobs, behaviour))
             backward(accelerator, policy, loss * weight, is_last)
-        stats = {"loss/policy": loss.detach(),
-                 **{f"policy/{name}": loss_stats[name] for name in ("clipfrac", "approxkl", "tis_weight_mean",
-                                                                    "behaviour_weight_mean", "behaviour_dropped")
-                    if name in loss_stats}}
+        logged = ("clipfrac", "approxkl", "tis_weight_mean", "behaviour_weight_mean", "behaviour_dropped")
+        stats = {"loss/policy": loss.detach(), **{f"policy/{k}": loss_stats[k] for k in logged if k in loss_stats}}
     if critic is not None:
         weight = loss_units(mask, None, "tokens", config.loss_agg_mode) * processes / totals["value"]
         with accumulation_context(accelerator, critic, is_last):
@@ -393,8 +384,7 @@ def step_metrics(run: PPORun, experience: Experience, clock: dict[str, float]) -
     """Stage 7: the step's metrics, reduced over processes (the one place a step reads values to the host); the
     time/ ones from the step's `clock` (when each stage ended, stamped by the loop)."""
     e, mask, accelerator = experience, experience.actions, run.accelerator
-    # KL (with a reference) and entropy: sample estimates summed over each response's tokens, averaged over
-    # responses.
+    # KL (with a reference) and entropy: sample estimates summed over a response's tokens, averaged over responses
     metrics = {} if e.ref_logprobs is None else {
         "objective/kl": torch.where(mask, e.logprobs - e.ref_logprobs, 0.0).sum(1).mean()}
     metrics |= {
