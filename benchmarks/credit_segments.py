@@ -551,10 +551,10 @@ def exploratory(design: Design, results: dict) -> dict:
     return out
 
 
-def collapsed(results: dict, shrink: float = 0.25) -> list[dict]:
+def collapsed(design: Design, results: dict, shrink: float = 0.25) -> list[dict]:
     """Every run (tuning included) whose responses shrank below `shrink` of their first step's length over its last
-    5 steps: its length, its steps past the plan and its adaptive KL coefficient (which can only climb while the
-    policy cannot move)."""
+    5 steps: its length, its steps past the plan and their seconds (learning rate 0: frozen) and its adaptive KL
+    coefficient (which can only climb while the policy cannot move)."""
     out = []
     for key, r in sorted(results.items(), key=lambda item: str(item[0])):
         lengths, coefs = r["curves"]["objective/response_length"], r["curves"]["objective/kl_coef"]
@@ -562,6 +562,8 @@ def collapsed(results: dict, shrink: float = 0.25) -> list[dict]:
             out.append({"run": "/".join(map(str, key)), "first_length": lengths[0],
                         "last_length": float(np.mean(lengths[-5:])), "steps": len(lengths),
                         "kl_coef_first": coefs[0], "kl_coef_max": max(coefs), "run_seconds": r["run_seconds"],
+                        "frozen_steps": max(0, len(lengths) - design.steps),
+                        "frozen_seconds": float(sum(r["curves"].get("time/step_seconds", [])[design.steps:])),
                         "gold": at_budget(r)["gold_reward"]})
     return out
 
@@ -662,7 +664,7 @@ def summarize(design: Design, results_dir: Path) -> dict:
     summary = {"choices": choices, "comparison": table, "decision": decision(design, table),
                "costs": costs(design, results, side),
                "clue_shares": clue_shares(design, results), "schedules": schedules(design, results),
-               "collapsed": collapsed(results), "side": side,
+               "collapsed": collapsed(design, results), "side": side,
                "exploratory": exploratory(design, results),
                "superseded": sorted("/".join(map(str, k)) for k in superseded),
                "wall_time": wall_time(results, superseded), "runs": len(results)}
@@ -785,6 +787,7 @@ def cost_lines(summary: dict, design: Design) -> list[str]:
               for arm, c in summary["schedules"].items()]
     lines += ["", "## Collapsed runs (responses below a quarter of their first step's length; every phase)", ""]
     lines += [f"- {c['run']}: length {f(c['first_length'], 1)} -> {f(c['last_length'], 1)} over {c['steps']} steps, "
+              f"{c['frozen_steps']} of them frozen past the plan ({f(c['frozen_seconds'], 0)} s), "
               f"KL coefficient {c['kl_coef_first']:.3g} -> {c['kl_coef_max']:.3g}, {f(c['run_seconds'], 0)} s, "
               f"gold {f(c['gold'])}" for c in summary["collapsed"]] or ["- none"]
     lines += ["", "## Task 4: right clue words among clue words after markers (primary endpoint)", ""]

@@ -183,12 +183,14 @@ def test_the_schedule_audit_reads_steps_overshoot_continuations_and_learning_rat
 def test_a_collapsed_run_is_listed_with_its_kl_coefficient():
     healthy = {"curves": _curves([100] * 10, [0.05] * 10, [1] * 10), "run_seconds": 1.0,
                "evaluations": [{"step": 10, "budget": False, "gold_reward": 0.3}]}
-    shrunk = {"curves": _curves([180, 150] + [10] * 8, [0.24] + [1e3] * 8 + [7.8e7], [1] * 10), "run_seconds": 2.0,
-              "evaluations": [{"step": 10, "budget": True, "gold_reward": 0.017}]}
-    found = study.collapsed({("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 1): shrunk,
-                             ("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 0): healthy})
+    shrunk = {"curves": {**_curves([180, 150] + [10] * 58, [0.24] + [1e3] * 58 + [7.8e7], [1] * 60),
+                         "time/step_seconds": [1.0] * 50 + [2.0] * 10},  # 10 steps past the 50-step plan
+              "run_seconds": 70.0, "evaluations": [{"step": 60, "budget": True, "gold_reward": 0.017}]}
+    found = study.collapsed(study.DESIGN, {("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 1): shrunk,
+                                           ("tuning", "task1_long", "gold_sft", "MA-LP+threshold0.5", 0, 0): healthy})
     assert [c["run"] for c in found] == ["tuning/task1_long/gold_sft/MA-LP+threshold0.5/0/1"]
     assert found[0]["kl_coef_max"] == 7.8e7 and found[0]["gold"] == 0.017
+    assert found[0]["frozen_steps"] == 10 and found[0]["frozen_seconds"] == 20.0
 
 
 @pytest.mark.slow  # a whole tiny study: `pytest -m slow` (CI runs it)
