@@ -501,20 +501,23 @@ def _spread(values: list[float]) -> dict:
 
 
 def schedules(design: Design, results: dict) -> dict:
-    """Per arm over its confirmation runs, what the audit asked beside the findings: the steps it took, its tokens
-    over TOK's budget (stopping at the first step that reaches it overshoots), the share of its tokens in
-    Monte-Carlo continuations, the share of its steps in warm-up, the learning rate's multiplier at its last
-    update, and its steps past the plan (learning rate 0: the policy is frozen)."""
+    """Per arm over its confirmation runs, what the audit asked beside the findings, at the primary endpoint (the
+    budget step; TOK's: step 50): the steps to it, the tokens then over TOK's budget (stopping at the first step
+    that reaches it overshoots), the share of its tokens in Monte-Carlo continuations, the share of those steps in
+    warm-up, the learning rate's multiplier at the last update before it, and the steps before it past the plan
+    (learning rate 0: the policy is frozen); and the steps the run took (the other arms go on to step 50)."""
     warmup = warmup_steps(design)
     out = {}
     for arm in design.arms:
         rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
         if not rs:
             continue
-        steps = [len(r["curves"]["rollout/tokens"]) for r in rs]
+        steps = [at_budget(r)["step"] for r in rs]
         out[arm] = {
             "runs": len(rs), "steps": _spread(steps),
-            "over_budget": _spread([generated_tokens(r) / r["budget"] - 1 for r in rs]) if rs[0]["budget"] else None,
+            "run_steps": _spread([len(r["curves"]["rollout/tokens"]) for r in rs]),
+            "over_budget": _spread([at_budget(r)["generated_tokens"] / r["budget"] - 1 for r in rs])
+            if rs[0]["budget"] else None,
             "mc_share": _spread([sum(x or 0 for x in r["curves"].get("rollout/mc_tokens") or []) / generated_tokens(r)
                                  for r in rs]),
             "warmup_share": _spread([min(n, warmup) / n for n in steps]),
@@ -775,15 +778,16 @@ def cost_lines(summary: dict, design: Design) -> list[str]:
               f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} "
               f"| {f(c['forward_tokens_estimate'], 0)} ({c['forward_estimate_runs']}) |"
               for arm, c in summary["costs"].items()]
-    lines += ["", "## Steps, budget and schedule (confirmation runs: mean, min-max)", "",
+    lines += ["", "## Steps, budget and schedule at the primary endpoint (confirmation runs: mean, min-max)", "",
               "A Monte-Carlo arm that stops within a few steps trains mostly in warm-up: its result may be its "
               f"schedule's as much as its estimator's. Warm-up and cosine are planned over {design.steps} steps; past "
               "them the learning rate is 0.", "",
-              "| arm | runs | steps | tokens over TOK's budget | share in continuations | steps in warm-up "
-              "| last learning rate (x peak) | frozen steps |", "|---" * 8 + "|"]
+              "| arm | runs | steps to the budget | tokens over TOK's budget | share in continuations | steps in warm-up "
+              "| last learning rate (x peak) | frozen steps | steps run |", "|---" * 9 + "|"]
     lines += [f"| {arm} | {c['runs']} | {spread(c['steps'], digits=1)} | {spread(c['over_budget'], 100, 1)} % "
               f"| {spread(c['mc_share'], 100, 1)} % | {spread(c['warmup_share'], 100, 1)} % "
-              f"| {spread(c['last_learning_rate'])} | {spread(c['frozen_steps'], digits=1)} |"
+              f"| {spread(c['last_learning_rate'])} | {spread(c['frozen_steps'], digits=1)} "
+              f"| {spread(c['run_steps'], digits=1)} |"
               for arm, c in summary["schedules"].items()]
     lines += ["", "## Collapsed runs (responses below a quarter of their first step's length; every phase)", ""]
     lines += [f"- {c['run']}: length {f(c['first_length'], 1)} -> {f(c['last_length'], 1)} over {c['steps']} steps, "

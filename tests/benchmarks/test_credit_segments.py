@@ -168,16 +168,22 @@ def _curves(lengths, coefs, tokens, mc=None):
 def test_the_schedule_audit_reads_steps_overshoot_continuations_and_learning_rate():
     assert study.learning_rate_multiplier(0, 50) == 0.0 and study.learning_rate_multiplier(5, 50) == 1.0
     assert study.learning_rate_multiplier(50, 50) == study.learning_rate_multiplier(70, 50) == 0.0  # held at 0
-    mc = {"budget": 100, "curves": _curves([10] * 8, [0.05] * 8, [5] * 8, [10] * 8)}  # 120 tokens, 8 steps
-    late = {"budget": 100, "curves": _curves([10] * 60, [0.05] * 60, [2] * 60)}  # 60 steps: 10 past the plan
+    mc = {"budget": 100, "curves": _curves([10] * 8, [0.05] * 8, [5] * 8, [10] * 8),  # 120 tokens, 8 steps
+          "evaluations": [{"step": 8, "budget": True, "generated_tokens": 120}]}
+    late = {"budget": 100, "curves": _curves([10] * 60, [0.05] * 60, [2] * 60),  # 60 steps: 10 past the plan
+            "evaluations": [{"step": 50, "budget": False, "generated_tokens": 100 - 10},
+                            {"step": 55, "budget": True, "generated_tokens": 110},
+                            {"step": 60, "budget": False, "generated_tokens": 120}]}
     results = {("confirmation", "task3", "gold_sft", "MC5", 1, 10): mc,
                ("confirmation", "task3", "gold_sft", "GRPO", 1, 10): late}
     audit = study.schedules(study.DESIGN, results)
     assert audit["MC5"]["steps"]["mean"] == 8 and audit["MC5"]["over_budget"]["mean"] == pytest.approx(0.2)
+    assert audit["GRPO"]["steps"]["mean"] == 55 and audit["GRPO"]["run_steps"]["mean"] == 60
+    assert audit["GRPO"]["over_budget"]["mean"] == pytest.approx(0.1)
     assert audit["MC5"]["mc_share"]["mean"] == pytest.approx(80 / 120)
     assert audit["MC5"]["warmup_share"]["mean"] == pytest.approx(5 / 8)
     assert audit["MC5"]["last_learning_rate"]["mean"] == pytest.approx(study.learning_rate_multiplier(7, 50))
-    assert audit["GRPO"]["frozen_steps"]["max"] == 10 and audit["GRPO"]["last_learning_rate"]["max"] == 0.0
+    assert audit["GRPO"]["frozen_steps"]["max"] == 5 and audit["GRPO"]["last_learning_rate"]["max"] == 0.0
 
 
 def test_a_collapsed_run_is_listed_with_its_kl_coefficient():
