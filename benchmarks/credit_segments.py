@@ -456,7 +456,8 @@ def decision(design: Design, table: dict) -> dict:
 
 
 def costs(design: Design, results: dict, side: dict | None = None) -> dict:
-    """Per arm over its confirmation runs: mean run seconds, generated tokens and Monte-Carlo tokens, and the
+    """Per arm over its confirmation runs: mean run seconds (held-out evaluations included: every 10 steps and at
+    the budget), seconds in the trainer's steps alone, generated tokens and Monte-Carlo tokens, and the
     Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations); with
     the side measurement, an estimate of a run's forward tokens (its generated tokens times its task and build's
     step-1 forward tokens per budget token) over the runs whose task and build were measured."""
@@ -469,6 +470,7 @@ def costs(design: Design, results: dict, side: dict | None = None) -> dict:
         mc = sum(sum(x or 0 for x in r["curves"].get("rollout/mc_tokens") or []) for r in rs)
         rollout = sum(sum(r["curves"]["rollout/tokens"]) for r in rs)
         out[arm] = {"runs": len(rs), "run_seconds": float(np.mean([r["run_seconds"] for r in rs])),
+                    "step_seconds": float(np.mean([sum(r["curves"]["time/step_seconds"]) for r in rs])),
                     "generated_tokens": float(np.mean([r["generated_tokens"] for r in rs])),
                     "mc_tokens": mc / len(rs),
                     "rollout_tokens_per_s": rollout / sum(sum(r["curves"]["time/generation"]) for r in rs),
@@ -769,12 +771,15 @@ def _spread_text(x: dict | None, scale: float = 1.0, digits: int = 3) -> str:
 def cost_lines(summary: dict, design: Design) -> list[str]:
     """Cost per arm, the schedule audit, the collapsed runs and Task 4's clue shares."""
     f, spread = study_two._f, _spread_text
-    lines = ["## Cost", "", "Means over each arm's confirmation runs. Forward tokens: an estimate, a run's generated tokens "
+    lines = ["## Cost", "", "Means over each arm's confirmation runs. Run seconds include the held-out evaluations "
+             "(every 10 steps and at the budget: fewer for the Monte-Carlo arms); the steps' own seconds do not. "
+             "Forward tokens: an estimate, a run's generated tokens "
              "times the side measurement's forward tokens per budget token for its task and build (step 1; every "
              "model, prefix re-encoding included), over the runs whose task and build were measured.", "",
-             "| arm | runs | run seconds | generated tokens | MC tokens | rollout tokens/s | MC tokens/s "
-             "| forward tokens (estimate, runs) |", "|---" * 8 + "|"]
-    lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
+             "| arm | runs | run seconds | of them in steps | generated tokens | MC tokens | rollout tokens/s "
+             "| MC tokens/s | forward tokens (estimate, runs) |", "|---" * 9 + "|"]
+    lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['step_seconds'], 0)} "
+              f"| {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
               f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} "
               f"| {f(c['forward_tokens_estimate'], 0)} ({c['forward_estimate_runs']}) |"
               for arm, c in summary["costs"].items()]

@@ -310,13 +310,14 @@ def test_a_runs_forward_tokens_are_estimated_from_its_task_and_builds_side_ratio
     def run(task, build, tokens):
         return {"task": task, "build": build, "generated_tokens": tokens, "run_seconds": 1.0,
                 "curves": {"rollout/tokens": [tokens], "rollout/mc_tokens": [None], "time/generation": [1.0],
-                           "time/advantages": [1.0]}}
+                           "time/advantages": [1.0], "time/step_seconds": [0.25, 0.5]}}
     results = {("confirmation", "task3", "gold_sft", "TOK", 2, 10): run("task3", 2, 100),
                ("confirmation", "task3", "rm_rm", "TOK", 2, 10): run("task3", 2, 300),
                ("confirmation", "task4", "gold_sft", "TOK", 1, 10): run("task4", 1, 1000)}  # build 1 not measured
     side = {"forward": {"TOK": {"task3/build2": {"per_budget_token": 9.0}}}}
     cost = study.costs(study.DESIGN, results, side)["TOK"]
     assert cost["forward_tokens_estimate"] == pytest.approx(9.0 * 200) and cost["forward_estimate_runs"] == 2
+    assert cost["step_seconds"] == 0.75 and cost["run_seconds"] == 1.0
     assert math.isnan(study.costs(study.DESIGN, results)["TOK"]["forward_tokens_estimate"])
 
 
