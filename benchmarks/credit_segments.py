@@ -460,17 +460,25 @@ def costs(design: Design, results: dict, side: dict | None = None) -> dict:
     the budget), seconds in the trainer's steps alone, generated tokens and Monte-Carlo tokens, and the
     Monte-Carlo continuations' tokens/s against the main rollout's (time/advantages holds the continuations); with
     the side measurement, an estimate of a run's forward tokens (its generated tokens times its task and build's
-    step-1 forward tokens per budget token) over the runs whose task and build were measured."""
+    step-1 forward tokens per budget token) over the runs whose task and build were measured. `step_seconds_vs_tok`:
+    the mean ratio of a run's step seconds to its TOK pair's (same group, build and seed), free of the task mix."""
     ratios = (side or {}).get("forward", {})
     out = {}
+
+    def step_seconds(r: dict) -> float:
+        return sum(r["curves"]["time/step_seconds"])
     for arm in design.arms:
-        rs = [r for k, r in results.items() if k[0] == "confirmation" and k[3] == arm]
+        keys = [k for k in results if k[0] == "confirmation" and k[3] == arm]
+        rs = [results[k] for k in keys]
         if not rs:
             continue
+        pairs = [(results[k], results.get((*k[:3], "TOK", *k[4:]))) for k in keys]
         mc = sum(sum(x or 0 for x in r["curves"].get("rollout/mc_tokens") or []) for r in rs)
         rollout = sum(sum(r["curves"]["rollout/tokens"]) for r in rs)
         out[arm] = {"runs": len(rs), "run_seconds": float(np.mean([r["run_seconds"] for r in rs])),
-                    "step_seconds": float(np.mean([sum(r["curves"]["time/step_seconds"]) for r in rs])),
+                    "step_seconds": float(np.mean([step_seconds(r) for r in rs])),
+                    "step_seconds_vs_tok": float(np.mean([step_seconds(r) / step_seconds(t) for r, t in pairs if t]))
+                    if any(t for _, t in pairs) else math.nan,
                     "generated_tokens": float(np.mean([r["generated_tokens"] for r in rs])),
                     "mc_tokens": mc / len(rs),
                     "rollout_tokens_per_s": rollout / sum(sum(r["curves"]["time/generation"]) for r in rs),
@@ -773,12 +781,15 @@ def cost_lines(summary: dict, design: Design) -> list[str]:
     f, spread = study_two._f, _spread_text
     lines = ["## Cost", "", "Means over each arm's confirmation runs. Run seconds include the held-out evaluations "
              "(every 10 steps and at the budget: fewer for the Monte-Carlo arms); the steps' own seconds do not. "
+             "Seconds depend on the sitting's machine, and a pair's runs may come from different sittings (TOK's "
+             "first). "
              "Forward tokens: an estimate, a run's generated tokens "
              "times the side measurement's forward tokens per budget token for its task and build (step 1; every "
              "model, prefix re-encoding included), over the runs whose task and build were measured.", "",
-             "| arm | runs | run seconds | of them in steps | generated tokens | MC tokens | rollout tokens/s "
-             "| MC tokens/s | forward tokens (estimate, runs) |", "|---" * 9 + "|"]
+             "| arm | runs | run seconds | of them in steps | steps' seconds / TOK's (paired) | generated tokens "
+             "| MC tokens | rollout tokens/s | MC tokens/s | forward tokens (estimate, runs) |", "|---" * 10 + "|"]
     lines += [f"| {arm} | {c['runs']} | {f(c['run_seconds'], 0)} | {f(c['step_seconds'], 0)} "
+              f"| {f(c['step_seconds_vs_tok'], 2)} "
               f"| {f(c['generated_tokens'], 0)} | {f(c['mc_tokens'], 0)} "
               f"| {f(c['rollout_tokens_per_s'], 0)} | {f(c['mc_tokens_per_s'], 0)} "
               f"| {f(c['forward_tokens_estimate'], 0)} ({c['forward_estimate_runs']}) |"

@@ -317,7 +317,11 @@ def test_a_runs_forward_tokens_are_estimated_from_its_task_and_builds_side_ratio
     side = {"forward": {"TOK": {"task3/build2": {"per_budget_token": 9.0}}}}
     cost = study.costs(study.DESIGN, results, side)["TOK"]
     assert cost["forward_tokens_estimate"] == pytest.approx(9.0 * 200) and cost["forward_estimate_runs"] == 2
-    assert cost["step_seconds"] == 0.75 and cost["run_seconds"] == 1.0
+    assert cost["step_seconds"] == 0.75 and cost["run_seconds"] == 1.0 and cost["step_seconds_vs_tok"] == 1.0
+    mc5 = {**run("task3", 2, 100), "curves": {**run("task3", 2, 100)["curves"], "time/step_seconds": [3.0]}}
+    paired = study.costs(study.DESIGN, {**results, ("confirmation", "task3", "gold_sft", "MC5", 2, 10): mc5,
+                                        ("confirmation", "task3", "gold_sft", "MC5", 3, 10): mc5})  # build 3: no TOK
+    assert paired["MC5"]["step_seconds_vs_tok"] == pytest.approx(4.0) and paired["MC5"]["runs"] == 2
     assert math.isnan(study.costs(study.DESIGN, results)["TOK"]["forward_tokens_estimate"])
 
 
