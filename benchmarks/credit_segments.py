@@ -857,8 +857,12 @@ def side_lines(side: dict) -> list[str]:
     return lines + [""]
 
 
+FINDING_COLORS = {"ahead": "tab:green", "behind": "tab:red", "equivalent within the margin": "tab:blue"}
+
+
 def plot(table: dict, results_dir: Path) -> Path:
-    """Per group, each arm's paired difference against TOK at the budget (95 % t-interval)."""
+    """Per group, each arm's paired difference against TOK at the budget (95 % t-interval), coloured by its finding,
+    over the group's equivalence margin (shaded)."""
     from marlhf.evaluation.plots import pyplot
 
     plt = pyplot()
@@ -868,13 +872,17 @@ def plot(table: dict, results_dir: Path) -> Path:
         for y, arm in enumerate(table):
             t = table[arm][group]["vs_tok"]
             low, high = t["ci"]
-            color = {"ahead": "tab:green", "behind": "tab:red"}.get(table[arm][group]["finding"], "tab:gray")
+            color = FINDING_COLORS.get(table[arm][group]["finding"], "tab:gray")
             ax.errorbar([t["mean"]], [y], xerr=None if math.isnan(low) else [[t["mean"] - low], [high - t["mean"]]],
                         fmt="o", color=color)
+        margin = MARGINS[group.split("/")[0]]
+        ax.axvspan(-margin, margin, color="tab:blue", alpha=0.1, lw=0)
         ax.axvline(0.0, color="black", lw=0.8)
         ax.set_yticks(range(len(table)), list(table) if ax is axes[0][0] else [""] * len(table))
         ax.set_title(group, fontsize=9)
         ax.set_xlabel("gold minus TOK at TOK's token budget")
+    fig.suptitle("arm minus TOK, 95 % t-interval; green ahead, red behind, blue equivalent (findings: Holm and TOST, "
+                 "summary.md); shaded: the equivalence margin", fontsize=9)
     path = results_dir / "paired_differences.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
