@@ -714,7 +714,7 @@ def comparison_lines(table: dict) -> list[str]:
     lines = ["## Primary: held-out gold at TOK's budget of generated tokens", "",
              "Arm - TOK paired by (build, seed): mean [95 % t], p (Holm over the 6 groups), TOST interval "
              f"({100 * (1 - 2 * ALPHA / 6):.1f} %), finding; secondary: matched KL (amendment 1 cut the "
-             "equal-steps secondary).", "",
+             "equal-steps secondary). Figure: `paired_differences.png`.", "",
              "| arm | group | pairs | arm | TOK | arm - TOK | by build | p (Holm) | TOST interval | finding "
              "| matched KL | budget step |", "|---" * 12 + "|"]
     for arm, entries in table.items():
